@@ -1,0 +1,146 @@
+"""Triton kernel: tree sparse attention (MQA, K = V, two indexed sources, per-head sink, online softmax).
+
+Why one kernel for both sources: V4 puts the sliding-window raw KV and the compressed entries (HCA: all, CSA: the
+indexer's top-k) in one softmax, so a node's two index lists are walked one after the other by the same program with
+one running (max, sum, accumulator) state. The sink enters as the initial state (max = sink, sum = 1, acc = 0): it
+adds exp(sink) to the denominator and nothing to the numerator, and a node with no entries ends at 0 without a
+special case.
+
+Grid: (nodes, head blocks). Each program holds BLOCK_H query heads of one node (all heads read the same rows, so a
+row is loaded once per head block) and walks the lists BLOCK_T rows at a time.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    """Triton's CPU interpreter computes tl.dot on bf16/fp16 operands wrongly (raw 16-bit patterns, seen with
+    triton 3.8); under it the half-precision dots run on fp32 copies instead. On a GPU they stay half precision."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attend_source(
+    q, m, l, acc,
+    kv_ptr, kv_stride_row, kv_stride_col,
+    idx_ptr, n_idx,
+    offs_d, mask_d, scale,
+    BLOCK_T: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Fold the rows kv[idx_ptr[0:n_idx]] (entries < 0 skipped) into the running softmax state."""
+    for t0 in range(0, n_idx, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        rows = tl.load(idx_ptr + offs_t, mask=offs_t < n_idx, other=-1).to(tl.int64)
+        valid = rows >= 0
+        k = tl.load(
+            kv_ptr + rows[:, None] * kv_stride_row + offs_d[None, :] * kv_stride_col,
+            mask=valid[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, k, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(k.dtype), k)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _tree_sparse_attention_kernel(
+    q_ptr, q_stride_n, q_stride_h, q_stride_d,
+    kv_a_ptr, kv_a_stride_row, kv_a_stride_col, idx_a_ptr, idx_a_stride, n_idx_a,
+    kv_b_ptr, kv_b_stride_row, kv_b_stride_col, idx_b_ptr, idx_b_stride, n_idx_b,
+    sink_ptr,
+    out_ptr, out_stride_n, out_stride_h, out_stride_d,
+    num_heads, head_dim, scale,
+    HAS_B: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    node = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < num_heads
+    mask_d = offs_d < head_dim
+
+    q = tl.load(
+        q_ptr + node * q_stride_n + offs_h[:, None] * q_stride_h + offs_d[None, :] * q_stride_d,
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    l = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    m, l, acc = _attend_source(
+        q, m, l, acc, kv_a_ptr, kv_a_stride_row, kv_a_stride_col, idx_a_ptr + node * idx_a_stride, n_idx_a,
+        offs_d, mask_d, scale, BLOCK_T, DOT_FP32,
+    )
+    if HAS_B:
+        m, l, acc = _attend_source(
+            q, m, l, acc, kv_b_ptr, kv_b_stride_row, kv_b_stride_col, idx_b_ptr + node * idx_b_stride, n_idx_b,
+            offs_d, mask_d, scale, BLOCK_T, DOT_FP32,
+        )
+
+    o = acc / l[:, None]
+    tl.store(
+        out_ptr + node * out_stride_n + offs_h[:, None] * out_stride_h + offs_d[None, :] * out_stride_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+
+
+def tree_sparse_attention_triton(
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    idx_a: torch.Tensor,
+    kv_b: torch.Tensor | None,
+    idx_b: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the kernel; same contract as `reference.tree_sparse_attention_ref` (checked in `ops.py`)."""
+    n_nodes, num_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if n_nodes == 0:
+        return out
+    has_b = kv_b is not None and idx_b is not None and idx_b.shape[1] > 0
+    if not has_b:
+        kv_b, idx_b = kv_a, idx_a[:, :0]
+    idx_a = idx_a if idx_a.stride(-1) == 1 else idx_a.contiguous()
+    idx_b = idx_b if idx_b.stride(-1) == 1 or idx_b.shape[1] == 0 else idx_b.contiguous()
+    sink = sink.float().contiguous()
+
+    block_h = 16  # tl.dot needs at least 16 rows; fewer heads are masked
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_t = 16 if block_d > 256 else 32
+    grid = (n_nodes, triton.cdiv(num_heads, block_h))
+    _tree_sparse_attention_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv_a, kv_a.stride(0), kv_a.stride(1), idx_a, idx_a.stride(0), idx_a.shape[1],
+        kv_b, kv_b.stride(0), kv_b.stride(1), idx_b, max(idx_b.stride(0), 0), idx_b.shape[1],
+        sink,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        num_heads, head_dim, float(scale),
+        HAS_B=has_b, DOT_FP32=q.dtype == torch.float32 or _interpreting(),
+        BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 256 else 4,
+    )
+    return out
