@@ -1,0 +1,86 @@
+"""Start and stop real SGLang servers (``python -m sglang.launch_server``) for end-to-end tests.
+
+Servers run with the user's plain environment: no SGLang variables are set here, because the
+project promises that none are needed. Each server gets its own process group so that stopping it
+also stops the scheduler and detokenizer processes it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+_SGLANG_VARS = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SGLANG_VARS}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def post(self, path: str, payload: dict, timeout: float = 300) -> requests.Response:
+        return requests.post(self.url + path, json=payload, timeout=timeout)
+
+    def generate(self, payload: dict) -> dict:
+        r = self.post("/generate", payload)
+        r.raise_for_status()
+        return r.json()
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def launch(model: Path | str, args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
+    """Start a server; returns at once (see ``wait_healthy``)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or clean_env(),
+                            start_new_session=True)
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_healthy(server: Server, timeout: float = 400) -> Server:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(server.url + "/health", timeout=5).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    server.stop()
+    raise TimeoutError(f"server not healthy after {timeout}s:\n{server.log_tail()}")
