@@ -1,0 +1,104 @@
+"""V4 attention: one formulation for every layer type and every kind of forward.
+
+Query i at position p attends, with one softmax that also includes a learned per-head sink logit:
+
+* the window keys of positions ``[p - W + 1, p]`` (K = V, one shared head), resolved through its slot table;
+* CSA/HCA layers: compressed entries ``e < (p + 1) // r`` read from the slots of positions ``r*e + r - 1`` --
+  all of them for HCA, the indexer's top-k of them for CSA.
+
+Before reading, every query writes its own key and compressor rows to its own slot, then block-closing queries
+write their entries: that order lets queries of one forward (a prefill chunk, a draft tree) read each other
+through their tables. The attention output's rope slice is rotated back by -p (V carried the key rotation), then
+the grouped low-rank output projection: heads in ``o_groups`` groups, each projected to ``o_lora_rank`` (wo_a),
+concatenated, projected to hidden (wo_b).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compressor import Compressor, Indexer
+from .config import CSA, HCA, SLIDING, DSV4Config
+from .norm import RMSNorm, rms
+from .rope import Rope
+from .storage import ForwardBatch, SlotStore
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DSV4Config, ratio: int):
+        """``ratio``: 0 = sliding window only, 4 = CSA, anything else = HCA with that ratio."""
+        super().__init__()
+        layer_type = SLIDING if ratio == 0 else (CSA if cfg.is_csa_ratio(ratio) else HCA)
+        D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.cfg, self.layer_type = cfg, layer_type
+        self.n_heads, self.head_dim, self.window, self.eps = H, hd, cfg.window, cfg.rms_norm_eps
+        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
+        self.wkv = nn.Linear(D, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        self.ratio = ratio
+        if ratio:
+            self.compressor = Compressor(D, hd, self.ratio, layer_type == CSA, cfg.rms_norm_eps)
+        if layer_type == CSA:
+            self.indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
+                                   cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
+        n, H, hd, W = x.shape[0], self.n_heads, self.head_dim, self.window
+        cos, sin = rope.cos_sin(fb.positions)
+        q_res = self.q_norm(self.wq_a(x))
+        q = rms(self.wq_b(q_res).view(n, H, hd), self.eps)
+        q = rope.rotate(q, cos[:, None], sin[:, None])
+        k = rope.rotate(self.kv_norm(self.wkv(x)), cos, sin)
+
+        # 1) own rows only
+        store.write(layer, "k", fb.out_slots, k)
+        if self.compressor is not None:
+            self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
+        if self.indexer is not None:
+            self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
+        # 2) entries of block-closing queries
+        if self.compressor is not None:
+            self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry")
+        if self.indexer is not None:
+            self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry")
+        # 3) gather what each query sees
+        win_pos = fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)
+        win_slots = fb.table.lookup(win_pos)
+        keys = store.read(layer, "k", win_slots)  # [N, W, hd]
+        visible = win_slots >= 0
+        if self.compressor is not None:
+            r = self.ratio
+            if self.indexer is not None:
+                idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
+            else:
+                emax = int(((fb.positions + 1) // r).max()) if n > 0 else 0
+                idx = torch.arange(emax, device=x.device).expand(n, emax)
+                ok = idx < ((fb.positions + 1) // r)[:, None]
+            ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1), torch.full_like(idx, -1))
+            keys = torch.cat([keys, store.read(layer, "entry", ent_slots)], dim=1)
+            visible = torch.cat([visible, ent_slots >= 0], dim=1)
+        o = sink_attention(q, keys, visible, self.attn_sink, hd ** -0.5)
+        o = rope.rotate(o, cos[:, None], -sin[:, None])
+        g = self.cfg.o_groups
+        wa = self.wo_a.weight.view(g, -1, o.shape[1] * hd // g)
+        o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, -1), wa).flatten(1)
+        return self.wo_b(o)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [N, H, d], kv [N, K, d] (keys = values), visible [N, K] -> [N, H, d]. Softmax over the visible keys
+    plus one sink logit per head whose probability mass is dropped."""
+    logits = torch.einsum("nhd,nkd->nhk", q, kv) * scale
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+    p = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("nhk,nkd->nhd", p, kv)
+

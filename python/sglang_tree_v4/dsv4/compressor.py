@@ -1,0 +1,106 @@
+"""Token-level KV compression (CSA and HCA), over per-slot rows.
+
+Each token projects the attention input to a kv row and a score row (``wkv``, ``wgate``) and stores them in its
+own slot. A block of ``r`` positions ``[r*e, r*e + r)`` is *closed* by its last token ``t = r*e + r - 1``; that
+token computes entry ``e`` and stores it in its own slot:
+
+* HCA (non-overlapping, any ratio r): per channel, softmax over the r window slots of ``score + ape[j]``, weighted
+  sum of kv.
+* CSA (ratio 4, overlapping): rows are ``2*d`` wide, ``[Ca | Cb]``. Entry e pools 2r slots per channel: the
+  previous block's Ca halves (with ``ape[j, :d]``) and its own block's Cb halves (with ``ape[j, d:]``). For e = 0
+  the previous block does not exist (weight 0).
+
+Then RMSNorm (``norm``) and RoPE (compress table) at position ``r*e``. The rows of the window are gathered through
+the closing query's slot table, so for a draft-tree node they are its ancestors' rows -- the only thing that makes
+siblings' versions of the same entry differ -- and for positions before the tree the committed rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+from .rope import Rope
+from .storage import ForwardBatch, SlotStore
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim_in: int, d: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        self.d, self.ratio, self.overlap = d, ratio, overlap
+        width = 2 * d if overlap else d
+        self.wkv = nn.Linear(dim_in, width, bias=False)
+        self.wgate = nn.Linear(dim_in, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(d, eps)
+
+    def write_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, kv: str, score: str):
+        store.write(layer, kv, fb.out_slots, self.wkv(x))
+        store.write(layer, score, fb.out_slots, self.wgate(x))
+
+    def close_blocks(self, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope, kv: str, score: str,
+                     entry: str) -> None:
+        """Compute and store the entries of the queries that close a block (rows must already be written)."""
+        r, d = self.ratio, self.d
+        closers = ((fb.positions + 1) % r == 0).nonzero().squeeze(1)
+        if closers.numel() == 0:
+            return
+        p = fb.positions[closers]
+        span = 2 * r if self.overlap else r
+        pos = p[:, None] - torch.arange(span - 1, -1, -1, device=p.device)  # [M, span], ascending
+        sub = _subtable(fb, closers)
+        slots = sub.lookup(pos)
+        rows_kv = store.read(layer, kv, slots)  # [M, span, width]
+        rows_s = store.read(layer, score, slots)
+        if self.overlap:
+            kv_w = torch.cat([rows_kv[:, :r, :d], rows_kv[:, r:, d:]], dim=1)
+            s_w = torch.cat([rows_s[:, :r, :d] + self.ape[:, :d], rows_s[:, r:, d:] + self.ape[:, d:]], dim=1)
+        else:
+            kv_w, s_w = rows_kv, rows_s + self.ape
+        s_w = s_w.masked_fill((slots < 0).unsqueeze(-1), float("-inf"))
+        w = torch.softmax(s_w.float(), dim=1).to(kv_w.dtype)
+        e = (p + 1) // r - 1
+        ent = self.norm((kv_w * w).sum(1))
+        cos, sin = rope.cos_sin(e * r)
+        store.write(layer, entry, fb.out_slots[closers], rope.rotate(ent, cos, sin))
+
+
+def _subtable(fb: ForwardBatch, rows: torch.Tensor):
+    t = fb.table
+    return type(t)(t.req_table, t.query_req[rows], t.base[rows], t.anc[rows])
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: its own overlapping ratio-4 compressor at ``index_head_dim`` produces
+    index keys; query t scores ``sum_h w_{t,h} * ReLU(q_{t,h} . K_e) / sqrt(ihd)`` over exactly the entries it may
+    see (``e < (t+1) // 4``, resolved through its slot table) and keeps the top ``index_topk``."""
+
+    def __init__(self, dim_in: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, eps: float):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim_in, n_heads, bias=False)
+        self.compressor = Compressor(dim_in, head_dim, 4, True, eps)
+
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
+               rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch)."""
+        n = x.shape[0]
+        n_vis = (fb.positions + 1) // 4
+        emax = int(n_vis.max()) if n > 0 else 0
+        if emax == 0:
+            z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
+            return z, z.bool()
+        cand = torch.arange(emax, device=x.device).expand(n, emax)
+        cvalid = cand < n_vis[:, None]
+        keys = store.read(layer, "ientry", fb.table.lookup(cand * 4 + 3))  # [N, E, ihd]
+        q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
+        q = rope.rotate(q, cos[:, None], sin[:, None])
+        s = torch.relu(torch.einsum("nhd,ned->nhe", q.float(), keys.float())) * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        score = (s * w.unsqueeze(-1)).sum(1).masked_fill(~cvalid, float("-inf"))
+        k = min(self.topk, emax)
+        if k == emax:  # everything visible is kept: no selection needed
+            return cand, cvalid
+        top = score.topk(k, dim=-1).indices
+        return top, cvalid.gather(1, top)

@@ -1,0 +1,94 @@
+"""DeepSeek-V4 target model over explicit per-slot state.
+
+``DSV4Model.forward(batch, store)`` runs N query tokens -- any mix of prefill chunks, decode tokens and draft-tree
+nodes from several requests -- against a ``SlotStore`` through the batch's slot tables (see ``storage``), writing
+only the queries' own slots. It returns per-query logits and the last block's output streams *before* the
+hyper-connection head (the MTP layer's hidden input).
+
+``forward_sequences(input_ids [B, T])`` is the differentiable full-sequence forward (training from empty state): the
+same code with a throw-away store of ``B*T`` slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .config import DSV4Config
+from .hyper import HyperConnection, HyperHead
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import Rope, ropes_for
+from .storage import ForwardBatch, SlotStore, SlotTable, model_layouts
+
+
+class Block(nn.Module):
+    """HC-pre -> RMSNorm -> attention -> HC-post, then the same around the MoE."""
+
+    def __init__(self, cfg: DSV4Config, ratio: int, hashed: bool):
+        super().__init__()
+        self.ratio = ratio
+        self.attn = Attention(cfg, ratio)
+        self.ffn = MoE(cfg, hashed)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        args = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(*args)
+        self.hc_ffn = HyperConnection(*args)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
+        x, post, comb = self.hc_attn.pre(h)
+        h = HyperConnection.post(self.attn(self.attn_norm(x), fb, store, layer, rope), h, post, comb)
+        x, post, comb = self.hc_ffn.pre(h)
+        return HyperConnection.post(self.ffn(self.ffn_norm(x), fb.input_ids), h, post, comb)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [N, vocab]
+    streams: torch.Tensor  # [N, hc_mult, hidden]: last block's output before the HC head (MTP input)
+
+
+class DSV4Model(nn.Module):
+    def __init__(self, cfg: DSV4Config, with_mtp: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [Block(cfg, cfg.compress_ratios[i], cfg.hash_layers[i]) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.ropes = ropes_for(cfg)
+        if with_mtp and cfg.num_nextn_predict_layers > 0:
+            from .mtp import MTPBlock
+            self.mtp = nn.ModuleList([MTPBlock(cfg) for _ in range(cfg.num_nextn_predict_layers)])
+        else:
+            self.mtp = nn.ModuleList()
+
+    def rope_of(self, ratio: int) -> Rope:
+        return self.ropes["main"] if ratio == 0 else self.ropes["compress"]
+
+    def new_store(self, num_slots: int, dtype: torch.dtype = torch.float32, device="cpu") -> SlotStore:
+        return SlotStore(model_layouts(self.cfg), num_slots, dtype, device)
+
+    def forward(self, fb: ForwardBatch, store: SlotStore, logits_rows: torch.Tensor | None = None) -> ModelOutput:
+        """``logits_rows``: optional indices of the queries whose logits are wanted (default: all)."""
+        h = self.embed(fb.input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for i, blk in enumerate(self.layers):
+            h = blk(h, fb, store, i, self.rope_of(blk.ratio))
+        hs = h if logits_rows is None else h[logits_rows]
+        return ModelOutput(self.head(self.norm(self.hc_head(hs))), h)
+
+    def forward_sequences(self, input_ids: torch.Tensor) -> ModelOutput:
+        """Full sequences from an empty state, differentiable: input_ids [B, T] -> logits [B, T, V]."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        store = self.new_store(B * T, self.embed.weight.dtype, dev)
+        pos = torch.arange(T, device=dev).repeat(B)
+        req = torch.arange(B, device=dev).repeat_interleave(T)
+        table = SlotTable.for_requests(torch.arange(B * T, device=dev).view(B, T), req, pos)
+        out = self.forward(ForwardBatch(input_ids.reshape(-1), pos, torch.arange(B * T, device=dev), table), store)
+        return ModelOutput(out.logits.view(B, T, -1), out.streams.view(B, T, *out.streams.shape[1:]))

@@ -1,0 +1,98 @@
+"""Mixture of experts: routed experts (top-k by score, or by a frozen token->expert table in hash layers) plus
+shared expert(s); SwiGLU with clamped pre-activations (gate <= limit, |up| <= limit).
+
+Routing: ``s = score_fn(x W_g^T)`` (sqrt(softplus) for V4); experts chosen by ``topk(s + bias)`` (the bias only
+steers the choice) or ``tid2eid[token]``; weights ``s[chosen]`` normalised to sum 1, times
+``routed_scaling_factor``. Per token, no cross-token state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DSV4Config
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU (the shared expert): ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: DSV4Config, hashed: bool):
+        super().__init__()
+        self.hashed, self.k = hashed, cfg.num_experts_per_tok
+        self.scoring, self.scaling = cfg.scoring_func, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long))
+        else:
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x @ self.weight.t()
+        if self.scoring == "sqrtsoftplus":
+            s = F.softplus(logits).sqrt()
+        elif self.scoring == "sigmoid":
+            s = torch.sigmoid(logits)
+        else:
+            s = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
+        idx = self.tid2eid[input_ids].long() if self.hashed else torch.topk(s + self.bias, self.k, dim=-1).indices
+        w = s.gather(1, idx)
+        return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``."""
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
+        self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n, k = idx.shape
+        if n * k <= 8:  # decode-sized: gather the few experts' weights, one batched matmul each
+            xi = x.unsqueeze(1).unsqueeze(-1)  # [N, 1, D, 1]
+            h = swiglu((self.w1[idx] @ xi).squeeze(-1), (self.w3[idx] @ xi).squeeze(-1), self.limit)
+            y = (self.w2[idx] @ h.unsqueeze(-1)).squeeze(-1)  # [N, k, D]
+            return (y * w.unsqueeze(-1)).sum(1)
+        out = torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        tok = torch.arange(n, device=x.device).repeat_interleave(k)
+        wf = w.reshape(-1)
+        for e in flat.unique().tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            t = tok[sel]
+            h = swiglu(x[t] @ self.w1[e].t(), x[t] @ self.w3[e].t(), self.limit)
+            out = out.index_add(0, t, (h @ self.w2[e].t()) * wf[sel, None])
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DSV4Config, hashed: bool):
+        super().__init__()
+        self.gate = Gate(cfg, hashed)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x, input_ids)
+        return self.experts(x, idx, w) + self.shared_experts(x)

@@ -1,0 +1,69 @@
+"""Partial, interleaved rotary embedding as V4 uses it.
+
+Only the LAST ``rope_dim`` channels of a vector rotate, in consecutive pairs (2i, 2i+1). Two frequency tables
+exist: ``main`` (plain RoPE at ``rope_theta``, used by sliding-window-only layers and the MTP layer) and
+``compress`` (``compress_rope_theta`` with YaRN, used for everything inside CSA/HCA layers: q, the window key, the
+compressed entries and the indexer's q and keys). YaRN here never scales cos/sin (attention factor 1).
+
+Because V = K carries the key's rotation, the attention output's rope slice is rotated back by the query position
+(``rotate(x, -position)``) before the output projection.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import DSV4Config
+
+
+def inv_freq(rope_dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
+    """One inverse frequency per rotated pair (``rope_dim // 2`` values), float32."""
+    base = theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    plain = 1.0 / base
+    if not yarn:
+        return plain
+    factor = float(yarn["factor"])
+    orig = float(yarn["original_max_position_embeddings"])
+    fast = float(yarn.get("beta_fast") or 32)
+    slow = float(yarn.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the pair index whose wavelength fits `rotations` times into `orig`
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(dim_of(fast)), 0)
+    hi = min(math.ceil(dim_of(slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: high-frequency pairs keep their frequency; 0: low-frequency pairs are divided by `factor`
+    return plain / factor * (1 - keep) + plain * keep
+
+
+class Rope:
+    """cos/sin lookup for one frequency table. Positions are absolute token positions (may be any long tensor)."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
+        self.rope_dim = rope_dim
+        self.inv_freq = inv_freq(rope_dim, theta, yarn)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return ang.cos(), ang.sin()
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the trailing ``rope_dim`` channels of ``x [..., H?, D]``; cos/sin are ``[..., rope_dim/2]`` and
+        broadcast over any head axis the caller inserts (pass them already unsqueezed)."""
+        rd = self.rope_dim
+        nope, rope = x[..., :-rd], x[..., -rd:]
+        even, odd = rope[..., 0::2], rope[..., 1::2]
+        r_even = even * cos - odd * sin
+        r_odd = odd * cos + even * sin
+        return torch.cat([nope, torch.stack([r_even, r_odd], dim=-1).flatten(-2)], dim=-1)
+
+
+def ropes_for(cfg: DSV4Config) -> dict[str, Rope]:
+    return {
+        "main": Rope(cfg.rope_dim, cfg.rope_theta, None),
+        "compress": Rope(cfg.rope_dim, cfg.compress_rope_theta, cfg.rope_scaling),
+    }

@@ -1,0 +1,176 @@
+"""Per-slot storage of all attention state, and the per-query slot tables a forward reads it through.
+
+Every piece of per-token state is one row per *token slot* per layer: the token's window key (V = K), its
+compressor rows (kv and score, before the slot bias), for CSA also its indexer-compressor rows, and -- at the slot
+of a token that closes a compression block, i.e. position ``t`` with ``(t + 1) % r == 0`` -- the compressed entry
+it produced (for CSA also the index key). A layer's pieces are column ranges of ONE row, so a layer can live in
+a single ``[num_slots, width]`` buffer (SGLang's per-layer KV buffer) and whole-row copies (radix cache,
+``move_kv_cache``) carry every piece at once.
+
+Consequences (the reason for this layout):
+
+* a forward writes only the rows of its queries' own output slots, so a draft-tree node's slot is its scratch and
+  nothing committed changes during verification;
+* the open compressor window of a request is just the rows at the positions of that window -- there is no
+  separate per-request ring to refresh; after acceptance, copying the accepted nodes' rows into the canonical
+  slots of their positions is the entire state refresh.
+
+Slot tables: a query at position ``p`` must know the slot of every position ``<= p`` it reads (window keys,
+compressor rows, entries). ``SlotTable`` expresses this as a per-request table (``req_table[b, pos]``, e.g.
+SGLang's ``req_to_token``) for positions below a per-query ``base``, plus per-query ancestor slots for positions
+``base .. p`` (``anc[i, pos - base]``). Prefill/decode use ``base = p + 1`` (everything from the request table);
+a draft-tree node at depth ``d`` uses ``base = L`` and its path (root .. itself) as ``anc``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CSA, HCA, SLIDING, DSV4Config
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Column layout of one layer's per-slot row: ``pieces[name] = (offset, width)``."""
+
+    pieces: dict[str, tuple[int, int]]
+    width: int
+
+    @staticmethod
+    def of(named_widths: list[tuple[str, int]]) -> "LayerLayout":
+        pieces, off = {}, 0
+        for name, w in named_widths:
+            pieces[name] = (off, w)
+            off += w
+        return LayerLayout(pieces, off)
+
+
+def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
+    """Pieces (in row order):
+
+    * all layers: ``k`` (head_dim) -- normalised, rotated window key, also the value;
+    * HCA: ``ckv``, ``cscore`` (head_dim each), ``entry`` (head_dim, valid only at block-closing slots);
+    * CSA: ``ckv``, ``cscore`` (2*head_dim each: ``[Ca | Cb]`` halves), ``ikv``, ``iscore`` (2*index_head_dim each),
+      ``entry`` (head_dim), ``ientry`` (index_head_dim).
+    """
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    if layer_type == SLIDING:
+        return LayerLayout.of([("k", hd)])
+    if layer_type == HCA:
+        return LayerLayout.of([("k", hd), ("ckv", hd), ("cscore", hd), ("entry", hd)])
+    if layer_type == CSA:
+        return LayerLayout.of([("k", hd), ("ckv", 2 * hd), ("cscore", 2 * hd), ("ikv", 2 * ihd),
+                               ("iscore", 2 * ihd), ("entry", hd), ("ientry", ihd)])
+    raise ValueError(f"unknown layer type {layer_type!r}")
+
+
+def model_layouts(cfg: DSV4Config) -> list[LayerLayout]:
+    return [layer_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
+
+
+def mtp_layouts(cfg: DSV4Config) -> list[LayerLayout]:
+    return [layer_layout(cfg, SLIDING) for _ in range(cfg.num_nextn_predict_layers)]
+
+
+class SlotStore:
+    """Per-layer ``[num_slots, width]`` buffers with named column views.
+
+    ``buffers`` may be supplied by the caller (e.g. an SGLang KV pool's per-layer tensors); otherwise zeros.
+    Writes are in place unless autograd needs the written values (training), in which case the buffer is
+    replaced out of place so gradients flow through later reads.
+    """
+
+    def __init__(self, layouts: list[LayerLayout], num_slots: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None):
+        self.layouts = layouts
+        self.num_slots = num_slots
+        if buffers is None:
+            buffers = [torch.zeros(num_slots, lay.width, dtype=dtype, device=device) for lay in layouts]
+        for i, (b, lay) in enumerate(zip(buffers, layouts)):
+            if b.dim() != 2 or b.shape[1] != lay.width:
+                raise ValueError(f"layer {i}: buffer shape {tuple(b.shape)} != [num_slots, {lay.width}]")
+        self.buffers = list(buffers)
+
+    def view(self, layer: int, piece: str) -> torch.Tensor:
+        off, w = self.layouts[layer].pieces[piece]
+        return self.buffers[layer][:, off:off + w]
+
+    def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        off, w = self.layouts[layer].pieces[piece]
+        buf = self.buffers[layer]
+        if values.requires_grad and torch.is_grad_enabled():
+            cols = torch.arange(off, off + w, device=buf.device)
+            self.buffers[layer] = buf.index_put((slots[:, None], cols[None, :]), values.to(buf.dtype))
+        else:
+            buf[slots, off:off + w] = values.to(buf.dtype)
+
+    def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
+        off, w = self.layouts[layer].pieces[piece]
+        rows = self.buffers[layer][slots.clamp(min=0).reshape(-1), off:off + w]
+        rows = rows.reshape(*slots.shape, w)
+        return torch.where((slots >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole rows (every layer, every piece) ``src[i] -> dst[i]``: the accepted-token move."""
+        for b in self.buffers:
+            b[dst] = b[src]
+
+    def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        return [b[slots].clone() for b in self.buffers]
+
+    def checksum(self, slots: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Exact fingerprint per layer (a float64 sum of the bit patterns), for isolation checks."""
+        out = []
+        for b in self.buffers:
+            x = b if slots is None else b[slots]
+            bits = x.contiguous().view(torch.int32).to(torch.float64) if x.dtype == torch.float32 else x.double()
+            w = torch.arange(1, bits.numel() + 1, dtype=torch.float64, device=x.device).view_as(bits)
+            out.append(torch.stack([bits.sum(), (bits * w).sum()]))
+        return out
+
+
+@dataclass
+class SlotTable:
+    """Per-query map from position to slot (see module doc).
+
+    req_table: [B, T] long, slot of position ``t`` of request ``b`` (``-1`` where unknown).
+    query_req: [N] long, row of ``req_table`` for each query.
+    base:      [N] long, positions ``< base`` come from ``req_table``; positions ``>= base`` from ``anc``.
+    anc:       [N, D] long, ``anc[i, j]`` = slot of position ``base[i] + j`` on query i's own path (D may be 0).
+    """
+
+    req_table: torch.Tensor
+    query_req: torch.Tensor
+    base: torch.Tensor
+    anc: torch.Tensor
+
+    def lookup(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slots for positions ``pos [N, K]`` (each row belongs to query i); ``-1`` for negative positions."""
+        n, _ = pos.shape
+        T = self.req_table.shape[1]
+        rel = pos - self.base[:, None]
+        from_req = self.req_table[self.query_req[:, None], pos.clamp(0, T - 1)]
+        if self.anc.shape[1] > 0:
+            from_anc = self.anc.gather(1, rel.clamp(0, self.anc.shape[1] - 1))
+            slots = torch.where(rel >= 0, from_anc, from_req)
+        else:
+            slots = from_req
+        return torch.where(pos >= 0, slots, torch.full_like(slots, -1))
+
+    @staticmethod
+    def for_requests(req_table: torch.Tensor, query_req: torch.Tensor, positions: torch.Tensor) -> "SlotTable":
+        """Prefill / chunked prefill / decode: every position up to the query's own is in ``req_table``."""
+        return SlotTable(req_table, query_req, positions + 1,
+                         torch.zeros(positions.shape[0], 0, dtype=torch.long, device=positions.device))
+
+
+@dataclass
+class ForwardBatch:
+    """N query tokens (any mix of requests: prefill chunks, decode tokens, draft-tree nodes)."""
+
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    out_slots: torch.Tensor  # [N] long: the ONLY slot each query writes
+    table: SlotTable
