@@ -1,0 +1,76 @@
+"""Greedy verification against step-by-step greedy decoding of the target along the tree."""
+
+import pytest
+import torch
+
+from sglang_tree_v4.tree import DraftTree, verify_greedy
+from sglang_tree_v4.tree.synthetic import distinct_tokens, random_parents
+
+VOCAB = 97
+
+
+def target_logits_favouring_tree(tree: DraftTree, gen: torch.Generator, hit_rate: float) -> torch.Tensor:
+    """Random logits, except that at each node (with probability ``hit_rate``) a random child's token is the argmax."""
+    batch, width = tree.tokens.shape
+    logits = torch.randn(batch, width, VOCAB, generator=gen)
+    for b in range(batch):
+        n = int(tree.num_nodes[b])
+        for i in range(n):
+            kids = [j for j in range(n) if tree.parents[b, j] == i]
+            if kids and torch.rand(1, generator=gen).item() < hit_rate:
+                pick = kids[int(torch.randint(len(kids), (1,), generator=gen))]
+                logits[b, i, tree.tokens[b, pick]] = 10.0
+    return logits
+
+
+def greedy_walk(tree: DraftTree, logits: torch.Tensor, b: int) -> tuple[list[int], list[int]]:
+    """Reference: decode greedily from the root, moving to the child whose token is the target's choice."""
+    n = int(tree.num_nodes[b])
+    node, nodes, tokens = 0, [0], []
+    while True:
+        choice = int(logits[b, node].argmax())
+        tokens.append(choice)
+        kids = [j for j in range(n) if tree.parents[b, j] == node and tree.tokens[b, j] == choice]
+        if not kids:
+            return nodes, tokens
+        node = kids[0]
+        nodes.append(node)
+
+
+@pytest.mark.parametrize("shape,arity", [("chain", 2), ("star", 2), ("kary", 2), ("kary", 4), ("random", 2)])
+@pytest.mark.parametrize("width", [1, 2, 5, 8, 16, 64])
+def test_greedy_matches_sequential_greedy_decoding(shape, arity, width):
+    batch = 6
+    gen = torch.Generator().manual_seed(1000 * width + arity + len(shape))
+    parents = random_parents(batch, width, shape, gen, arity)
+    tokens = distinct_tokens(batch, width, VOCAB, gen)
+    num_nodes = torch.randint(1, width + 1, (batch,), generator=gen)
+    num_nodes[0] = width
+    tree = DraftTree.from_parents(tokens, parents, num_nodes)
+    logits = target_logits_favouring_tree(tree, gen, hit_rate=0.85)
+    result = verify_greedy(tree, logits)
+    longest = 0
+    for b in range(batch):
+        nodes, emitted = greedy_walk(tree, logits, b)
+        length = len(emitted)
+        longest = max(longest, length)
+        assert result.accept_lens[b] == length
+        assert result.tokens[b, :length].tolist() == emitted
+        assert result.accepted_nodes[b, :length].tolist() == nodes
+        assert (result.tokens[b, length:] == -1).all() and (result.accepted_nodes[b, length:] == -1).all()
+        assert result.last_nodes[b] == nodes[-1] and result.bonus_tokens[b] == emitted[-1]
+    if tree.max_depth() >= 1:
+        assert longest >= 2, "the trees were meant to be accepted"
+    if shape == "chain" and width >= 8:
+        assert longest >= 4, "chains were meant to be accepted deeply"
+
+
+def test_greedy_never_accepts_padding():
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    tree = DraftTree.from_parents(tokens, torch.tensor([[-1, 0, 1, 2]]), num_nodes=torch.tensor([2]))
+    logits = torch.zeros(1, 4, VOCAB)
+    logits[0, 0, 6] = logits[0, 1, 0] = 1.0  # node 2 (padding, token 0) would match if it were real
+    result = verify_greedy(tree, logits)
+    assert result.accept_lens.tolist() == [2]
+    assert result.tokens[0, :2].tolist() == [6, 0]
+    assert result.accepted_nodes[0, :2].tolist() == [0, 1]
