@@ -88,7 +88,7 @@ def build_draft_tree(
                 DraftStep(
                     step=step,
                     tokens=frontier_tokens,
-                    positions=prefix_lens[:, None] + step,
+                    positions=(prefix_lens[:, None] + step).expand(batch, topk),
                     slots=frontier_slots,
                     parent_slots=frontier_parent_slots,
                     ancestors=frontier_anc,

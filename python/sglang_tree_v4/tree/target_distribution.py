@@ -5,7 +5,8 @@ follows SGLang 0.5.23's sampler (``Sampler`` with the torch backend, equal to Fl
 
 1. ``probs = softmax(logits / temperature)`` in float32;
 2. top-k and top-p are applied *jointly* on those probs: sort descending, keep rank r iff ``r < top_k`` and the
-   probability mass strictly before rank r is ``<= top_p`` (so rank 0 is always kept);
+   probability mass strictly before rank r is ``<= top_p`` (so rank 0 is always kept; ``top_p = 1`` keeps every
+   token, where SGLang's float32 cumulative sum can drop a far tail once it rounds past 1);
 3. min-p: drop every token with ``prob < min_p * max_prob``;
 4. renormalise.
 
@@ -149,5 +150,5 @@ def _cutoff(
     sorted_probs = probs.gather(1, tokens)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     rank = torch.arange(tokens.shape[1], device=probs.device)[None, :]
-    keep = (rank < top_ks[:, None]) & (mass_before <= top_ps.float()[:, None])
+    keep = (rank < top_ks[:, None]) & ((mass_before <= top_ps.float()[:, None]) | (top_ps[:, None] >= 1.0))
     return tokens, keep

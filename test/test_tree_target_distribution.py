@@ -1,0 +1,80 @@
+"""The processed target distribution against a per-row reference of SGLang's sampler semantics.
+
+Reference semantics (SGLang 0.5.23 ``Sampler``, torch backend): softmax(logits / T); sort descending (ties: lower
+token id first); keep rank r iff r < top_k and the mass before r is <= top_p (top_p = 1 keeps all: no float cumsum artefacts); drop p < min_p * max p; renormalise.
+Greedy (T = 0 or top_k = 1): one-hot at the first argmax.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from sglang_tree_v4.tree import SamplingParams, target_probs
+
+
+def reference_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    vocab = logits.shape[0]
+    out = torch.zeros(vocab, dtype=torch.float64)
+    if temperature <= 1e-6 or top_k == 1:
+        out[int(logits.argmax())] = 1.0
+        return out
+    probs = torch.softmax(logits.float() / temperature, dim=-1).tolist()
+    order = sorted(range(vocab), key=lambda v: (-probs[v], v))
+    limit = vocab if top_k <= 0 else top_k
+    mass_before, kept = 0.0, []
+    for rank, v in enumerate(order):
+        if rank < limit and (top_p >= 1.0 or mass_before <= top_p):
+            kept.append(v)
+        mass_before += probs[v]
+    biggest = max(probs)
+    kept = [v for v in kept if probs[v] >= min_p * biggest]
+    for v in kept:
+        out[v] = probs[v]
+    return out / out.sum()
+
+
+def run_grid(logits: torch.Tensor, grid: list[tuple], cap: int) -> None:
+    rows = len(grid)
+    temps, ks, ps, mins = zip(*grid)
+    params = SamplingParams(
+        torch.tensor(temps), torch.tensor(ks, dtype=torch.long), torch.tensor(ps), torch.tensor(mins)
+    )
+    got = target_probs(logits[:rows], params, candidate_cap=cap)
+    for r, (t, k, p, m) in enumerate(grid):
+        want = reference_row(logits[r], t, k, p, m)
+        assert torch.equal(got[r] > 0, want > 0), f"support differs for T={t} top_k={k} top_p={p} min_p={m}"
+        torch.testing.assert_close(got[r].double(), want, atol=1e-6, rtol=1e-5)
+
+
+GRID = list(itertools.product([0.0, 0.4, 1.0, 1.7], [-1, 1, 3, 40, 300], [1.0, 0.95, 0.6, 0.1], [0.0, 0.05, 0.4]))
+
+
+@pytest.mark.parametrize("cap", [4, 64, 4096])
+def test_matches_reference_on_continuous_logits(cap):
+    gen = torch.Generator().manual_seed(cap)
+    logits = torch.randn(len(GRID), 257, generator=gen) * 3
+    run_grid(logits, GRID, cap)
+
+
+@pytest.mark.parametrize("cap", [2, 4096])
+def test_ties_are_broken_by_lower_token_id(cap):
+    gen = torch.Generator().manual_seed(7)
+    # Few distinct values: every cutoff falls inside a run of ties.
+    logits = torch.randint(0, 4, (len(GRID), 50), generator=gen).float()
+    run_grid(logits, GRID, cap)
+
+
+def test_rows_are_independent_of_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=gen)
+    params = SamplingParams(
+        torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.5]),
+        torch.tensor([-1, 20, -1, 5, 1, 900]),
+        torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0, 0.3]),
+        torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.0]),
+    )
+    together = target_probs(logits, params)
+    for r in range(6):
+        alone = target_probs(logits[r : r + 1], params.select(torch.tensor([r])))
+        torch.testing.assert_close(together[r : r + 1], alone, atol=0, rtol=0)
