@@ -187,6 +187,10 @@ class DSV4Config:
 
     @classmethod
     def _build(cls, d, n, ratios, hash_layers, head_dim, rope_dim, theta, ctheta, rs, _known) -> "DSV4Config":
+        if rs is not None:  # canonical YaRN dict (cos/sin are never scaled in V4, so no attention factor)
+            rs = {"type": rs.get("type", rs.get("rope_type")), "factor": rs.get("factor"),
+                  "original_max_position_embeddings": rs.get("original_max_position_embeddings"),
+                  "beta_fast": rs.get("beta_fast") or 32, "beta_slow": rs.get("beta_slow") or 1}
         nkv = int(d.get("num_key_value_heads", 1))
         _check(nkv == 1, "num_key_value_heads", f"V4 is single-KV-head MQA (K = V), got {nkv}")
         ignored = tuple(sorted(k for k in d if k not in _known))
