@@ -12,13 +12,13 @@ S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compresse
 
 
 def hf_config(hca: int = 8, layers: tuple[str, ...] = (S, C, H, C), topk: int = 4, window: int = 16,
-              vocab: int = 512):
+              vocab: int = 512, hidden: int = 128, moe_inter: int = 64, q_lora: int = 64):
     from transformers import DeepseekV4Config
     n = len(layers)
     return DeepseekV4Config(
-        vocab_size=vocab, hidden_size=128, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=64, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2, o_lora_rank=32,
-        moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=64, partial_rotary_factor=0.25, q_lora_rank=q_lora, o_groups=2, o_lora_rank=32,
+        moe_intermediate_size=moe_inter, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
         layer_types=list(layers), mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1),
         compress_rates={C: 4, H: hca}, sliding_window=window, index_n_heads=16, index_head_dim=32,
         index_topk=topk, hc_mult=4, hc_sinkhorn_iters=20, max_position_embeddings=4096,

@@ -18,6 +18,21 @@ from torch import nn
 from .norm import rms
 
 
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Column-normalise, then ``iters - 1`` rounds of row + column normalisation (each sum offset by eps).
+    In place when no gradient is needed: at decode sizes these ~60 tiny ops are pure dispatch overhead."""
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    if torch.is_grad_enabled() and comb.requires_grad:
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        return comb
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(-2, keepdim=True).add_(eps))
+    return comb
+
+
 class HyperConnection(nn.Module):
     """Parameters as DeepSeek names them at block level: ``hc_{attn,ffn}_{fn,base,scale}``; this module holds one
     such triple (``fn``, ``base``, ``scale``)."""
@@ -39,10 +54,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * s_post + post_b)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * s_comb + comb_b.view(hc, hc), dim=-1) + self.eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        comb = sinkhorn(comb, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return collapsed, post, comb
 

@@ -68,11 +68,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = idx.shape
-        if n * k <= 8:  # decode-sized: gather the few experts' weights, one batched matmul each
-            xi = x.unsqueeze(1).unsqueeze(-1)  # [N, 1, D, 1]
-            h = swiglu((self.w1[idx] @ xi).squeeze(-1), (self.w3[idx] @ xi).squeeze(-1), self.limit)
-            y = (self.w2[idx] @ h.unsqueeze(-1)).squeeze(-1)  # [N, k, D]
-            return (y * w.unsqueeze(-1)).sum(1)
+        if n * k <= 8:  # decode-sized: per (token, expert) pair on weight views, no weight gather
+            rows = []
+            for t, (es, ws) in enumerate(zip(idx.tolist(), w.unbind(0))):
+                xt = x[t]
+                acc = 0
+                for j, e in enumerate(es):
+                    h = swiglu(self.w1[e] @ xt, self.w3[e] @ xt, self.limit)
+                    acc = acc + (self.w2[e] @ h) * ws[j]
+                rows.append(acc)
+            return torch.stack(rows)
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         tok = torch.arange(n, device=x.device).repeat_interleave(k)
