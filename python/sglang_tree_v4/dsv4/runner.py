@@ -38,6 +38,7 @@ class DSV4Runner:
         self.req_table = torch.full((max_reqs, max_len), -1, dtype=torch.long, device=dev)
         self.lens: dict[int, int] = {}
         self.mtp_lens: dict[int, int] = {}
+        self.shared: dict[int, int] = {}  # rid -> number of leading positions whose slots it borrows (fork)
         self._free_rids = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -48,12 +49,23 @@ class DSV4Runner:
         rid = self._free_rids.pop()
         self.lens[rid] = 0
         self.mtp_lens[rid] = 0
+        self.shared[rid] = 0
         return rid
+
+    def fork(self, rid: int, length: int | None = None) -> int:
+        """A new request whose first ``length`` positions are ``rid``'s (their rows are shared read-only, as a
+        radix-cache hit would share them). The parent must outlive the fork."""
+        length = self.lens[rid] if length is None else length
+        new = self.add_request()
+        self.req_table[new, :length] = self.req_table[rid, :length]
+        self.lens[new] = self.shared[new] = length
+        self.mtp_lens[new] = min(self.mtp_lens[rid], length)
+        return new
 
     def release(self, rid: int) -> None:
         n = self.lens.pop(rid)
         self.mtp_lens.pop(rid)
-        self.alloc.release(self.req_table[rid, :n].tolist())
+        self.alloc.release(self.req_table[rid, self.shared.pop(rid):n].tolist())
         self.req_table[rid] = -1
         self._free_rids.append(rid)
 

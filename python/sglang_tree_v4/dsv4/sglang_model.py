@@ -1,0 +1,126 @@
+"""The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
+
+SGLang sees an ordinary model with one KV "head" per layer whose width is the widest per-slot row we need, and
+``num_layers + 2`` layers: the K buffer of layer ``i < num_layers`` holds target layer ``i``'s row (window key,
+compressor rows, entries; see ``storage``), layer ``num_layers`` holds the last block's streams before the HC head
+(the MTP's hidden input, needed again when the MTP catches up), and layer ``num_layers + 1`` holds the MTP layer's
+row. Everything per token therefore lives in SGLang's own per-slot KV buffers, so the radix cache and the
+accepted-token move (``move_kv_cache``) carry all of it. (One width for every layer wastes memory at V4-Flash scale;
+a leaner pool is a later, measured step.)
+
+The forward maps SGLang's batch onto our slot tables: extend / decode queries read their request's ``req_to_token``
+row; target-verify queries (draft-tree nodes) read the committed row below the committed length and their own
+ancestors' verify slots above it, with the ancestry taken from ``spec_info.custom_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .config import DSV4Config
+from .model import DSV4Model
+from .storage import SlotStore, SlotTable, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
+from .weights import load_state
+
+ARCHITECTURE = "TreeV4DeepseekV4ForCausalLM"
+RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
+
+
+def pool_row_width(cfg: DSV4Config) -> int:
+    """Width of the single per-slot row every pool layer gets."""
+    widths = [lay.width for lay in model_layouts(cfg) + mtp_layouts(cfg)]
+    return max(widths + [cfg.hc_mult * cfg.hidden_size])
+
+
+def pool_layers(cfg: DSV4Config) -> int:
+    return cfg.num_layers + 2
+
+
+def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+    """``anc[q, d]`` = verify slot of the depth-``d`` node on query ``q``'s root path (-1 beyond its depth).
+
+    ``custom_mask`` is SGLang's per-request ancestors-or-self mask, flat ``[bs * n * n]`` (row = node).
+    """
+    anc = custom_mask.view(bs, n, n).bool()
+    depth = anc.sum(-1) - 1  # [bs, n]
+    slots = out_slots.view(bs, n)
+    table = torch.full((bs, n, n), -1, dtype=torch.long, device=out_slots.device)
+    # For every (node i, ancestor j) pair put slot(j) at column depth(j) of row i.
+    b, i, j = anc.nonzero(as_tuple=True)
+    table[b, i, depth[b, j]] = slots[b, j].long()
+    return table.view(bs * n, n)
+
+
+class TreeV4DeepseekV4ForCausalLM(nn.Module):
+    """SGLang entry class (registered under ``ARCHITECTURE`` by the plugin's model override)."""
+
+    def __init__(self, config, quant_config=None, prefix: str = ""):
+        super().__init__()
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+
+        self.config = config
+        self.cfg = DSV4Config.from_dict(getattr(config, RAW_CONFIG_ATTR))
+        self.model = DSV4Model(self.cfg, with_mtp=self.cfg.num_nextn_predict_layers > 0)
+        # The whole model is replicated on every tensor-parallel rank, so logits need no gather.
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
+        self.last_streams: torch.Tensor | None = None
+        self._stores: tuple[SlotStore, SlotStore | None, torch.Tensor] | None = None
+
+    # --- storage over SGLang's KV pool ---------------------------------------------------------------------
+    def stores(self) -> tuple[SlotStore, SlotStore | None, torch.Tensor]:
+        """(target store, MTP store, streams buffer), views over the KV pool's per-layer K buffers."""
+        if self._stores is None:
+            from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+            pool = get_token_to_kv_pool()
+            n = self.cfg.num_layers
+            rows = [pool.get_key_buffer(i).flatten(1) for i in range(pool_layers(self.cfg))]
+            num_slots = rows[0].shape[0]
+            target = SlotStore(model_layouts(self.cfg), num_slots,
+                               buffers=[rows[i][:, :lay.width] for i, lay in enumerate(model_layouts(self.cfg))])
+            mtp = None
+            if len(self.model.mtp):
+                lays = mtp_layouts(self.cfg)
+                mtp = SlotStore(lays, num_slots, buffers=[rows[n + 1][:, :lays[0].width]])
+            streams = rows[n][:, : self.cfg.hc_mult * self.cfg.hidden_size]
+            self._stores = (target, mtp, streams)
+        return self._stores
+
+    # --- SGLang model interface ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, **kwargs):
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
+        store, _, streams = self.stores()
+        mode = forward_batch.forward_mode
+        bs = forward_batch.batch_size
+        req_table = get_req_to_token_pool().req_to_token[forward_batch.req_pool_indices].long()
+        out_slots = forward_batch.out_cache_loc.long()
+        positions = positions.long()
+        device = positions.device
+        if mode.is_target_verify():
+            n = forward_batch.spec_info.draft_token_num
+            query_req = torch.arange(bs, device=device).repeat_interleave(n)
+            anc = tree_ancestor_slots(forward_batch.spec_info.custom_mask, out_slots, bs, n)
+            table = SlotTable(req_table, query_req, forward_batch.seq_lens.long().repeat_interleave(n), anc)
+        else:
+            counts = (forward_batch.extend_seq_lens if mode.is_extend() else
+                      torch.ones(bs, dtype=torch.long, device=device))
+            query_req = torch.arange(bs, device=device).repeat_interleave(counts.long())
+            table = SlotTable.for_requests(req_table, query_req, positions)
+        no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
+        out = self.model(SlotBatch(input_ids.long(), positions, out_slots, table), store, logits_rows=no_rows).streams
+        streams[out_slots] = out.flatten(1).to(streams.dtype)
+        self.last_streams = out
+        final = self.model.norm(self.model.hc_head(out))
+        return self.logits_processor(input_ids, final, self.model.head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        dtype = next(self.model.parameters()).dtype
+        load_state(self.model, dict(weights), dtype)
+
+
+EntryClass = [TreeV4DeepseekV4ForCausalLM]

@@ -1,0 +1,188 @@
+"""Tree verification for DeepSeek-V4 compressed attention: the three mechanisms as three operations.
+
+Trees are plain tensors, padded per batch like the tree core's ``DraftTree``: ``tokens [B, D]``, ``parents [B, D]``
+(-1 for the root and for padding, ``parents[b, i] < i``), ``num_nodes [B]``. Node 0 is the root: the bonus token
+(last sampled, not yet run by the target) at position ``L_b``; a node at depth d sits at position ``L_b + d``.
+
+1. **Branch-aware verification** (``verify``): one target forward over every node of every request. Each node
+   writes only its own scratch slot and reads through a slot table whose committed part is the request's table
+   (positions ``< L_b``) and whose tree part is the node's own path (root .. itself). With the model's one
+   attention formulation this means, per layer type: window = committed ``[p-W+1, L-1]`` plus ancestors;
+   compressed entries = committed entries plus those closed by ancestors (or itself), where an entry closed in the
+   tree is pooled from committed rows and ancestor rows only; the CSA indexer scores exactly that list.
+2. **Temporary state isolation**: a consequence of (1) -- the forward writes nothing but the nodes' scratch
+   slots; committed rows (window keys, compressor rows, entries, index keys, MTP keys) are read-only.
+   ``committed_checksum`` fingerprints them so tests (and debug builds) can assert it.
+3. **Accepted-path refresh** (``commit``): copy the accepted nodes' whole rows (every layer, every piece, target and
+   MTP stores) into the canonical slots of positions ``L .. L+k`` and point the request table there. Because all
+   compressor state is "rows at positions", this is the entire refresh: the open-window rows, the entries the
+   path closed and the raw keys land exactly where sequential decoding would have written them. Scratch slots of
+   rejected nodes are simply released (nothing committed needs clearing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import DSV4Model
+from .storage import ForwardBatch, SlotStore, SlotTable
+
+
+def tree_paths(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, D] -> (depth [B, D], path [B, D, D]) with ``path[b, n, j]`` = the ancestor of node n at depth j
+    (``path[b, n, depth[b, n]] == n``), -1 beyond the node's depth and for padding nodes."""
+    B, D = parents.shape
+    dev = parents.device
+    valid = torch.arange(D, device=dev)[None, :] < num_nodes[:, None]
+    bad_child = valid[:, 1:] & ((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, D, device=dev)))
+    if (parents[:, 0] != -1).any() or bad_child.any():
+        raise ValueError("parents must be -1 for the root and satisfy 0 <= parents[i] < i for every other node")
+    # climb: chain[k] = k-th ancestor (k = 0 is the node itself)
+    chain = [torch.where(valid, torch.arange(D, device=dev).expand(B, D), -1)]
+    for _ in range(D - 1):
+        prev = chain[-1]
+        up = torch.where(prev >= 0, parents.gather(1, prev.clamp(min=0)), -1)
+        chain.append(up)
+    chain = torch.stack(chain, -1)  # [B, D, D]: k-th ancestor
+    depth = (chain >= 0).sum(-1) - 1
+    depth = torch.where(valid, depth, 0)
+    # path[j] = ancestor at depth j = (depth - j)-th ancestor
+    j = torch.arange(D, device=dev)
+    k = depth[..., None] - j
+    path = torch.where((k >= 0) & valid[..., None], chain.gather(2, k.clamp(min=0)), -1)
+    return depth, path
+
+
+@dataclass
+class VerifyBatch:
+    """The flattened verify forward plus what is needed to unflatten it."""
+
+    fb: ForwardBatch
+    node_index: torch.Tensor  # [N] node index inside its tree
+    request_index: torch.Tensor  # [N] b
+    depth: torch.Tensor  # [B, D]
+    counts: list[int]  # nodes per request
+
+
+def build_verify_batch(req_table: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor,
+                       parents: torch.Tensor, num_nodes: torch.Tensor, scratch: torch.Tensor,
+                       isolation: bool = True) -> VerifyBatch:
+    """Flatten B trees into one ForwardBatch.
+
+    req_table [R, T]: committed position -> slot (SGLang's ``req_to_token``); rids [B]: rows of it; lens [B]:
+    committed lengths L; scratch [B, D]: each node's own output slot (SGLang: the request's verify slots).
+    ``isolation=False`` exists only for the ablation test: nodes at the same depth then share one slot (a
+    position-indexed table, what a chain verifier would do), so siblings overwrite each other's state.
+    """
+    B, D = tokens.shape
+    dev = tokens.device
+    depth, path = tree_paths(parents, num_nodes)
+    valid = torch.arange(D, device=dev)[None, :] < num_nodes[:, None]
+    b_idx, n_idx = valid.nonzero(as_tuple=True)
+    if isolation:
+        out_slots = scratch[b_idx, n_idx]
+        anc_nodes = path[b_idx, n_idx]  # [N, D]
+        anc = torch.where(anc_nodes >= 0, scratch[b_idx[:, None], anc_nodes.clamp(min=0)], -1)
+    else:  # ablation: slot of (request, depth) instead of (request, node)
+        out_slots = scratch[b_idx, depth[b_idx, n_idx]]
+        dd = torch.arange(D, device=dev)[None, :]
+        anc = torch.where(dd <= depth[b_idx, n_idx][:, None], scratch[b_idx[:, None], dd.expand(len(b_idx), D)], -1)
+    positions = lens[b_idx] + depth[b_idx, n_idx]
+    table = SlotTable(req_table, rids[b_idx], lens[b_idx], anc)
+    fb = ForwardBatch(tokens[b_idx, n_idx], positions, out_slots, table)
+    return VerifyBatch(fb, n_idx, b_idx, depth, num_nodes.tolist())
+
+
+@dataclass
+class VerifyResult:
+    logits: list[torch.Tensor]  # per request [num_nodes_b, V], node order
+    streams: list[torch.Tensor]  # per request [num_nodes_b, hc, D]: the MTP's hidden input per node
+    depth: torch.Tensor  # [B, D]
+
+
+@torch.no_grad()
+def verify(model: DSV4Model, store: SlotStore, req_table: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor,
+           tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor, scratch: torch.Tensor,
+           isolation: bool = True) -> VerifyResult:
+    """Mechanism 1 (+2): per-node logits equal to sequentially decoding prefix + path(node); writes only
+    ``scratch`` slots of ``store``."""
+    vb = build_verify_batch(req_table, rids, lens, tokens, parents, num_nodes, scratch, isolation)
+    out = model(vb.fb, store)
+    return VerifyResult(list(out.logits.split(vb.counts)), list(out.streams.split(vb.counts)), vb.depth)
+
+
+def commit(stores: list[SlotStore], req_table: torch.Tensor, rid: int, L: int, accepted: torch.Tensor,
+           scratch: torch.Tensor, canonical: torch.Tensor) -> None:
+    """Mechanism 3: accepted node indices (root first, a path) of request ``rid`` -> rows copied from their scratch
+    slots ``scratch[accepted]`` into ``canonical`` (the slots of positions ``L .. L+k``), table updated.
+
+    ``canonical`` may overlap ``scratch`` (SGLang moves accepted rows to the front of the verify slots): a node's
+    index is never smaller than its depth, so the gather-then-scatter copy is safe."""
+    src = scratch[accepted]
+    for s in stores:
+        s.copy_rows(src, canonical)
+    req_table[rid, L:L + len(accepted)] = canonical
+
+
+def committed_checksum(stores: list[SlotStore], req_table: torch.Tensor, rids: torch.Tensor,
+                       lens: torch.Tensor) -> list[torch.Tensor]:
+    """Fingerprint of every committed row of the given requests (mechanism 2's check)."""
+    slots = torch.cat([req_table[int(r), :int(n)] for r, n in zip(rids, lens)])
+    return [c for s in stores for c in s.checksum(slots)]
+
+
+def greedy_accept(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                  num_nodes: int) -> tuple[list[int], int]:
+    """Plain greedy acceptance over one tree (a reference for tests and the CPU runner): from the root, follow the
+    child whose token is the argmax of the current node's logits. -> (accepted node indices, bonus token)."""
+    best = logits.argmax(-1).tolist()
+    toks, par = tokens.tolist(), parents.tolist()
+    path, node = [0], 0
+    while True:
+        nxt = [c for c in range(1, num_nodes) if par[c] == node and toks[c] == best[node]]
+        if not nxt:
+            return path, best[node]
+        node = nxt[0]
+        path.append(node)
+
+
+class TreeVerifier:
+    """Tree verification on top of a ``DSV4Runner`` (its allocator, request tables and stores)."""
+
+    def __init__(self, runner):
+        self.r = runner
+        self.scratch: dict[int, torch.Tensor] = {}
+
+    @property
+    def stores(self) -> list[SlotStore]:
+        return [s for s in (self.r.store, self.r.mtp_store) if s is not None]
+
+    def verify(self, rids: list[int], tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+               isolation: bool = True) -> VerifyResult:
+        B, D = tokens.shape
+        dev = self.r.device
+        scratch = torch.full((B, D), -1, dtype=torch.long, device=dev)
+        for b, rid in enumerate(rids):
+            if rid in self.scratch:
+                raise RuntimeError(f"request {rid} has an uncommitted tree")
+            n = int(num_nodes[b]) if isolation else D
+            s = torch.tensor(self.r.alloc.alloc(n), dtype=torch.long, device=dev)
+            scratch[b, :n] = s
+            self.scratch[rid] = s
+        lens = torch.tensor([self.r.lens[rid] for rid in rids], dtype=torch.long, device=dev)
+        return verify(self.r.model, self.r.store, self.r.req_table, torch.tensor(rids, device=dev), lens, tokens,
+                      parents, num_nodes, scratch, isolation)
+
+    def commit(self, rid: int, accepted: list[int]) -> None:
+        """Accepted node indices (root first). Canonical slots = the first k+1 scratch slots; the rest is freed."""
+        s = self.scratch.pop(rid)
+        k1 = len(accepted)
+        L = self.r.lens[rid]
+        commit(self.stores, self.r.req_table, rid, L, torch.tensor(accepted, device=s.device), s, s[:k1])
+        self.r.lens[rid] = L + k1
+        self.r.alloc.release(s[k1:].tolist())
+
+    def rollback(self, rid: int) -> None:
+        """Drop a tree without accepting anything (scratch released; committed state untouched)."""
+        self.r.alloc.release(self.scratch.pop(rid).tolist())
