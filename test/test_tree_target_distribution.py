@@ -34,13 +34,13 @@ def reference_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return out / out.sum()
 
 
-def run_grid(logits: torch.Tensor, grid: list[tuple], cap: int) -> None:
+def run_grid(logits: torch.Tensor, grid: list[tuple], caps: tuple[int, ...]) -> None:
     rows = len(grid)
     temps, ks, ps, mins = zip(*grid)
     params = SamplingParams(
         torch.tensor(temps), torch.tensor(ks, dtype=torch.long), torch.tensor(ps), torch.tensor(mins)
     )
-    got = target_probs(logits[:rows], params, candidate_cap=cap)
+    got = target_probs(logits[:rows], params, candidate_caps=caps)
     for r, (t, k, p, m) in enumerate(grid):
         want = reference_row(logits[r], t, k, p, m)
         assert torch.equal(got[r] > 0, want > 0), f"support differs for T={t} top_k={k} top_p={p} min_p={m}"
@@ -50,19 +50,23 @@ def run_grid(logits: torch.Tensor, grid: list[tuple], cap: int) -> None:
 GRID = list(itertools.product([0.0, 0.4, 1.0, 1.7], [-1, 1, 3, 40, 300], [1.0, 0.95, 0.6, 0.1], [0.0, 0.05, 0.4]))
 
 
-@pytest.mark.parametrize("cap", [4, 64, 4096])
-def test_matches_reference_on_continuous_logits(cap):
-    gen = torch.Generator().manual_seed(cap)
+# Candidate caps: none below the vocabulary (full sort only), one small, two in turn.
+CAPS = [(4096,), (4,), (2, 64)]
+
+
+@pytest.mark.parametrize("caps", CAPS)
+def test_matches_reference_on_continuous_logits(caps):
+    gen = torch.Generator().manual_seed(sum(caps))
     logits = torch.randn(len(GRID), 257, generator=gen) * 3
-    run_grid(logits, GRID, cap)
+    run_grid(logits, GRID, caps)
 
 
-@pytest.mark.parametrize("cap", [2, 4096])
-def test_ties_are_broken_by_lower_token_id(cap):
+@pytest.mark.parametrize("caps", CAPS)
+def test_ties_are_broken_by_lower_token_id(caps):
     gen = torch.Generator().manual_seed(7)
     # Few distinct values: every cutoff falls inside a run of ties.
     logits = torch.randint(0, 4, (len(GRID), 50), generator=gen).float()
-    run_grid(logits, GRID, cap)
+    run_grid(logits, GRID, caps)
 
 
 def test_rows_are_independent_of_the_batch():

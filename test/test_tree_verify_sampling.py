@@ -264,3 +264,23 @@ def test_same_seed_same_result_and_rows_independent_of_batch():
         one = verify_sampling(sub, logits[r : r + 1], params.select(torch.tensor([r])),
                               coins=VerifyCoins(coins.accept[r : r + 1], coins.bonus[r : r + 1]))
         assert torch.equal(one.tokens[0], whole.tokens[r])
+
+
+@pytest.mark.parametrize("block", [1, 7, 16, 256])
+def test_inverse_cdf_picks_the_interval_holding_the_coin(block):
+    from sglang_tree_v4.tree.verify_sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(block)
+    weights = torch.rand(40, 300, generator=gen) * (torch.rand(40, 300, generator=gen) < 0.3)
+    weights[0] = 0.0
+    weights[0, 299] = 2.0  # all mass on the last token
+    weights[1] = 0.0
+    weights[1, 0] = 1.0  # all mass on the first token
+    coins = torch.rand(40, generator=gen, dtype=torch.float64)
+    coins[2], coins[3] = 0.0, 1.0 - 1e-12
+    got = inverse_cdf(weights, coins, block=block)
+    for r in range(40):
+        cdf = weights[r].double().cumsum(0)
+        target = coins[r].item() * cdf[-1].item()
+        want = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
+        assert got[r] == want and weights[r, want] > 0

@@ -96,9 +96,7 @@ def build_draft_tree(
                 )
             )
         fed = logits.shape[1]
-        logits = logits.float()
-        top_vals, top_tokens = logits.topk(topk, dim=-1)
-        logprobs = (top_vals - logits.logsumexp(-1, keepdim=True)).clamp(max=0.0)
+        logprobs, top_tokens = top_children(logits, topk)
         scores = (frontier_score[:, :, None] + logprobs).flatten(1)
         tokens = top_tokens.flatten(1)
         pool_tokens.append(tokens)
@@ -133,6 +131,24 @@ def build_draft_tree(
         torch.cat(pool_scores, 1),
         budget,
     )
+
+
+def top_children(logits: torch.Tensor, topk: int, cpu_rows_per_chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, tokens)`` of the ``topk`` most likely next tokens: ``logits [..., V]`` -> ``[..., topk]`` each.
+
+    On a CPU the rows are reduced a few at a time: whole-vocabulary temporaries of many rows fall out of cache and
+    cost several times more than the arithmetic.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    chunk = cpu_rows_per_chunk if flat.device.type == "cpu" else flat.shape[0]
+    values, tokens = [], []
+    for rows in flat.split(max(chunk, 1)):
+        rows = rows.float()
+        top, tok = rows.topk(topk, dim=-1)
+        values.append(top - rows.logsumexp(-1, keepdim=True))
+        tokens.append(tok)
+    shape = (*logits.shape[:-1], topk)
+    return torch.cat(values).clamp(max=0.0).view(shape), torch.cat(tokens).view(shape)
 
 
 def _rerank(

@@ -14,9 +14,9 @@ Greedy requests (``temperature <= 1e-6`` or ``top_k == 1``, which SGLang maps to
 first argmax of the raw logits. Ties at a top-k / top-p cutoff are broken by lower token id (SGLang's sort leaves
 them unspecified; for continuous logits they do not occur).
 
-Sorting a whole 129k vocabulary row is slow on a CPU, so the cutoff is found on ``topk(cap)`` candidates and a row
-falls back to a full sort only when the candidates cannot decide it (top-p mass not reached inside the candidates,
-or a tie across the candidate boundary), so both ways keep the same tokens.
+Sorting a whole 129k vocabulary row is slow on a CPU, so the cutoff is found among the ``topk(cap)`` candidates of
+growing caps, and a row falls back to a full sort only when no cap decides it (top-p mass not reached inside the
+candidates, or a tie across the candidate boundary); every way keeps the same tokens.
 """
 
 from __future__ import annotations
@@ -72,77 +72,70 @@ class SamplingParams:
         return (self.temperatures <= GREEDY_TEMPERATURE) | (self.top_ks == 1)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams, candidate_cap: int = 1024) -> torch.Tensor:
+def target_probs(
+    logits: torch.Tensor, params: SamplingParams, candidate_caps: tuple[int, ...] = (64, 1024)
+) -> torch.Tensor:
     """Processed target distribution of each row: ``logits [N, V]`` -> float32 ``[N, V]`` summing to 1.
 
-    ``params`` has one entry per row. ``candidate_cap`` only tunes speed (how many top candidates are tried before
-    a row falls back to a full sort); the output does not depend on it.
+    ``params`` has one entry per row. ``candidate_caps`` only tunes speed (how many top candidates are tried, in
+    turn, before a row falls back to a full sort); the kept tokens do not depend on it.
     """
-    n, vocab = logits.shape
-    probs = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+    vocab = logits.shape[1]
     greedy = params.is_greedy()
-    greedy_rows = greedy.nonzero().squeeze(1)
-    sample_rows = (~greedy).nonzero().squeeze(1)
-    if greedy_rows.numel() > 0:
-        probs[greedy_rows] = 0.0
-        probs[greedy_rows] = probs[greedy_rows].scatter(1, logits[greedy_rows].argmax(-1, keepdim=True), 1.0)
-    if sample_rows.numel() > 0:
-        probs[sample_rows] = _sampled_probs(logits[sample_rows], params.select(sample_rows), candidate_cap)
+    temperatures = torch.where(greedy, 1.0, params.temperatures.float())
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+    top_ks = torch.where((params.top_ks <= 0) | (params.top_ks > vocab), vocab, params.top_ks)
+    cut = ~greedy & ((top_ks < vocab) | (params.top_ps < 1.0))
+    if bool(cut.any()):
+        rows = cut.nonzero().squeeze(1)
+        probs[rows] = _top_k_top_p(probs[rows], top_ks[rows], params.top_ps[rows].float(), candidate_caps)
+    min_p = ~greedy & (params.min_ps > 0)
+    if bool(min_p.any()):
+        rows = min_p.nonzero().squeeze(1)
+        sub = probs[rows]
+        sub = torch.where(sub >= params.min_ps[rows].float()[:, None] * sub.amax(-1, keepdim=True), sub, 0.0)
+        probs[rows] = sub / sub.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1)
+        probs[rows] = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(-1, keepdim=True), 1.0)
     return probs
 
 
-def _sampled_probs(logits: torch.Tensor, params: SamplingParams, candidate_cap: int) -> torch.Tensor:
-    vocab = logits.shape[1]
-    probs = torch.softmax(logits.float() / params.temperatures.float()[:, None], dim=-1)
-    top_ks = torch.where((params.top_ks <= 0) | (params.top_ks > vocab), vocab, params.top_ks)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    cut_rows = ((top_ks < vocab) | (params.top_ps < 1.0)).nonzero().squeeze(1)
-    if cut_rows.numel() > 0:
-        keep[cut_rows] = _top_k_top_p_keep(probs[cut_rows], top_ks[cut_rows], params.top_ps[cut_rows], candidate_cap)
-    max_prob = probs.amax(-1, keepdim=True)
-    keep &= probs >= params.min_ps.float()[:, None] * max_prob
-    probs = torch.where(keep, probs, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def _top_k_top_p_keep(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, candidate_cap: int
+def _top_k_top_p(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, candidate_caps: tuple[int, ...]
 ) -> torch.Tensor:
-    """``[N, V]`` bool: tokens inside the joint top-k / top-p cutoff of each row."""
+    """Rows of ``probs`` restricted to their joint top-k / top-p cutoff and renormalised."""
     n, vocab = probs.shape
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    cap = min(vocab, max(candidate_cap, int(top_ks[top_ps >= 1.0].max()) if bool((top_ps >= 1.0).any()) else 0))
-    if cap < vocab:
-        values, _ = probs.topk(cap, dim=-1)
-        boundary = values[:, -1:]
-        # The candidates decide a row when no token outside them ties with the last one, and either top-k stops
-        # inside them or their whole mass already exceeds top_p (then nothing later is kept).
-        no_tie = (probs >= boundary).sum(-1) == cap
-        decided = no_tie & ((top_ks <= cap) | (values.sum(-1) > top_ps))
-        fast = decided.nonzero().squeeze(1)
-        slow = (~decided).nonzero().squeeze(1)
-    else:
-        fast = torch.empty(0, dtype=torch.long, device=probs.device)
-        slow = torch.arange(n, device=probs.device)
-    if fast.numel() > 0:
-        sub = probs[fast]
-        tokens, flags = _cutoff(sub, sub.topk(cap, dim=-1).indices, top_ks[fast], top_ps[fast])
-        keep[fast] = keep[fast].scatter(1, tokens, flags)
-    if slow.numel() > 0:
-        sub = probs[slow]
+    out = torch.zeros_like(probs)
+    pending = torch.arange(n, device=probs.device)
+    for cap in candidate_caps:
+        if cap >= vocab or pending.numel() == 0:
+            break
+        sub = probs[pending]
+        values, tokens = sub.topk(cap + 1, dim=-1)
+        # The top ``cap`` decide a row when the next token does not tie with the last of them, and either top-k
+        # stops inside them or their mass already exceeds top_p (then every later token has more mass before it).
+        no_tie = values[:, cap - 1] > values[:, cap]
+        decided = no_tie & ((top_ks[pending] <= cap) | (values[:, :cap].sum(-1) > top_ps[pending]))
+        done = decided.nonzero().squeeze(1)
+        if done.numel() > 0:
+            rows = pending[done]
+            out[rows] = _keep_renormalised(sub[done], tokens[done, :cap], top_ks[rows], top_ps[rows])
+        pending = pending[~decided]
+    if pending.numel() > 0:
+        sub = probs[pending]
         everything = torch.arange(vocab, device=probs.device).expand_as(sub)
-        tokens, flags = _cutoff(sub, everything, top_ks[slow], top_ps[slow])
-        keep[slow] = keep[slow].scatter(1, tokens, flags)
-    return keep
+        out[pending] = _keep_renormalised(sub, everything, top_ks[pending], top_ps[pending])
+    return out
 
 
-def _cutoff(
+def _keep_renormalised(
     probs: torch.Tensor, candidates: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Joint top-k / top-p over ``candidates`` (a set holding each row's most probable tokens, any order).
+) -> torch.Tensor:
+    """Dense rows holding only the candidates inside the joint top-k / top-p cutoff, renormalised.
 
-    Returns ``(tokens, keep)``: the candidates in descending-probability order with ties by lower token id, and
-    whether each is inside the cutoff.
+    ``candidates`` must contain each row's most probable tokens (any order); they are ranked by probability with
+    ties by lower token id.
     """
     by_id = candidates.sort(dim=-1).values
     order = probs.gather(1, by_id).argsort(dim=-1, descending=True, stable=True)
@@ -150,5 +143,6 @@ def _cutoff(
     sorted_probs = probs.gather(1, tokens)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
     rank = torch.arange(tokens.shape[1], device=probs.device)[None, :]
-    keep = (rank < top_ks[:, None]) & ((mass_before <= top_ps.float()[:, None]) | (top_ps[:, None] >= 1.0))
-    return tokens, keep
+    keep = (rank < top_ks[:, None]) & ((mass_before <= top_ps[:, None]) | (top_ps[:, None] >= 1.0))
+    kept = torch.where(keep, sorted_probs, 0.0)
+    return torch.zeros_like(probs).scatter_(1, tokens, kept / kept.sum(-1, keepdim=True))

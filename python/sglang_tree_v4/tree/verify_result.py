@@ -39,11 +39,18 @@ class VerifyResult:
     def from_last_node(cls, tree: DraftTree, last_nodes: torch.Tensor, bonus_tokens: torch.Tensor) -> "VerifyResult":
         """Assembles the result from the deepest accepted node and the bonus token of each request."""
         batch, width = tree.tokens.shape
-        rows = torch.arange(batch, device=tree.device)
-        path = tree.path_nodes()[rows, last_nodes]  # [B, max_depth + 1]
-        accept_lens = (path >= 0).sum(-1)
+        # Walk up from the last node (chain[:, k] = its k-th ancestor), then reverse so that the root comes first.
+        levels = int(tree.depths.gather(1, last_nodes[:, None]).max()) + 1
+        chain = torch.empty(batch, levels, dtype=torch.long, device=tree.device)
+        cur = last_nodes.long()
+        for k in range(levels):
+            chain[:, k] = cur
+            cur = torch.where(cur >= 0, tree.parents.gather(1, cur.clamp(min=0)[:, None]).squeeze(1), -1)
+        accept_lens = (chain >= 0).sum(-1)
+        d = torch.arange(levels, device=tree.device)
+        path = chain.gather(1, (accept_lens[:, None] - 1 - d).clamp(min=0))
         accepted = torch.full((batch, width), -1, dtype=torch.long, device=tree.device)
-        accepted[:, : path.shape[1]] = path
+        accepted[:, :levels] = torch.where(d < accept_lens[:, None], path, -1)
         tokens = torch.full_like(accepted, -1)
         # Entry i is the token of accepted node i + 1; the slot after the last accepted node takes the bonus.
         next_nodes = accepted[:, 1:]

@@ -20,6 +20,7 @@ given explicitly, which makes a step reproducible and lets tests enumerate outco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +109,36 @@ def _sample_residual(
     probs: torch.Tensor, tokens: torch.Tensor, rejected: torch.Tensor, coins: torch.Tensor
 ) -> torch.Tensor:
     """Inverse-CDF sample of ``probs`` with the rejected children's tokens removed, one coin per row."""
-    removed = torch.zeros_like(probs).scatter_add_(1, tokens, rejected.to(probs.dtype)) > 0
-    residual = torch.where(removed, 0.0, probs).double()
-    total = residual.sum(-1, keepdim=True)
+    n, vocab = probs.shape
+    # Zero the rejected tokens; the other entries of ``tokens`` write into a spare column.
+    residual = torch.cat([probs, probs.new_zeros(n, 1)], dim=1)
+    residual.scatter_(1, torch.where(rejected, tokens, vocab), 0.0)
+    residual = residual[:, :vocab]
     # Only rounding can empty the residual (the children held all the mass yet none was accepted): use p then.
-    residual = torch.where(total > 0, residual, probs.double())
-    cdf = residual.cumsum(-1)
-    threshold = coins.double()[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)
+    empty = residual.sum(-1) <= 0
+    residual = torch.where(empty[:, None], probs, residual)
+    return inverse_cdf(residual, coins)
+
+
+def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """``[N]`` index ``i`` with ``cdf(i - 1) <= coin * total < cdf(i)`` for non-negative ``weights [N, V]``.
+
+    Two levels (block sums, then inside one block; blocks of about sqrt(V) tokens by default) with float64 running
+    sums, so the result is as precise as the float32 weights without a float64 copy of every row.
+    """
+    n, vocab = weights.shape
+    block = block or max(1, math.isqrt(vocab))
+    pad = (-vocab) % block
+    blocks = torch.nn.functional.pad(weights, (0, pad)).view(n, -1, block)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)
+    target = coins.double() * block_cdf[:, -1]
+    b = torch.searchsorted(block_cdf, target[:, None], right=True).clamp(max=blocks.shape[1] - 1)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(n, device=weights.device), b.squeeze(1)].double()
+    inner_cdf = inner.cumsum(-1) + before
+    j = torch.searchsorted(inner_cdf, target[:, None], right=True)
+    # Rounding between the two levels may point just past the block: take its last token with weight.
+    idx = torch.arange(block, device=weights.device)
+    last = torch.where(inner > 0, idx, -1).amax(-1, keepdim=True)
+    j = torch.minimum(j, last)
+    return (b * block + j).squeeze(1)
