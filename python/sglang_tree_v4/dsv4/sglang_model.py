@@ -25,7 +25,7 @@ from .model import DSV4Model
 from .storage import SlotStore, SlotTable, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
 from .weights import load_state
 
-ARCHITECTURE = "TreeV4DeepseekV4ForCausalLM"
+ARCHITECTURE = "TreeV4DSV4ForCausalLM"  # no "DeepseekV4" substring: SGLang keys V4 special cases on it
 RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
 
 

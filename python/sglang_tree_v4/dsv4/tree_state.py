@@ -13,11 +13,13 @@ Trees are plain tensors, padded per batch like the tree core's ``DraftTree``: ``
 2. **Temporary state isolation**: a consequence of (1) -- the forward writes nothing but the nodes' scratch
    slots; committed rows (window keys, compressor rows, entries, index keys, MTP keys) are read-only.
    ``committed_checksum`` fingerprints them so tests (and debug builds) can assert it.
-3. **Accepted-path refresh** (``commit``): copy the accepted nodes' whole rows (every layer, every piece, target and
-   MTP stores) into the canonical slots of positions ``L .. L+k`` and point the request table there. Because all
+3. **Accepted-path refresh** (``commit``): copy the accepted nodes' whole rows (every layer, every piece) into the
+   canonical slots of positions ``L .. L+k`` and point the request table there. Because all
    compressor state is "rows at positions", this is the entire refresh: the open-window rows, the entries the
    path closed and the raw keys land exactly where sequential decoding would have written them. Scratch slots of
-   rejected nodes are simply released (nothing committed needs clearing).
+   rejected nodes are simply released (nothing committed needs clearing). The MTP layer's window keys for the
+   accepted positions are recomputed from the target's verify streams (``mtp_draft``), as SGLang's draft extend
+   does, since draft-time MTP rows came from the MTP's own streams.
 """
 from __future__ import annotations
 
@@ -156,20 +158,27 @@ class TreeVerifier:
 
     @property
     def stores(self) -> list[SlotStore]:
-        return [s for s in (self.r.store, self.r.mtp_store) if s is not None]
+        """What commit moves: the target store. The MTP store's rows of accepted positions are recomputed from
+        the target's streams by the MTP refresh (``mtp_draft.MTPTreeDrafter.refresh``), because draft-time MTP
+        rows were computed from the MTP's own streams, not the target's."""
+        return [self.r.store]
 
     def verify(self, rids: list[int], tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-               isolation: bool = True) -> VerifyResult:
+               isolation: bool = True, scratch: list[torch.Tensor] | None = None) -> VerifyResult:
+        """``scratch``: the nodes' slots per request if already allocated (e.g. by the MTP drafter, whose draft
+        rows live in the same slots of the MTP store); otherwise allocated here. Released by commit/rollback."""
         B, D = tokens.shape
         dev = self.r.device
-        scratch = torch.full((B, D), -1, dtype=torch.long, device=dev)
+        table = torch.full((B, D), -1, dtype=torch.long, device=dev)
         for b, rid in enumerate(rids):
             if rid in self.scratch:
                 raise RuntimeError(f"request {rid} has an uncommitted tree")
             n = int(num_nodes[b]) if isolation else D
-            s = torch.tensor(self.r.alloc.alloc(n), dtype=torch.long, device=dev)
-            scratch[b, :n] = s
+            s = scratch[b] if scratch is not None else torch.tensor(self.r.alloc.alloc(n), dtype=torch.long,
+                                                                    device=dev)
+            table[b, :n] = s[:n]
             self.scratch[rid] = s
+        scratch = table
         lens = torch.tensor([self.r.lens[rid] for rid in rids], dtype=torch.long, device=dev)
         return verify(self.r.model, self.r.store, self.r.req_table, torch.tensor(rids, device=dev), lens, tokens,
                       parents, num_nodes, scratch, isolation)
