@@ -116,7 +116,9 @@ else:
         assert rel_err(out, compress_entries_ref(**_fp32_copy(case))) <= 1e-5, f"seed={seed}"
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    @pytest.mark.parametrize("batch,nodes,heads,dim,window", [(1, 1, 4, 64, 8), (3, 6, 4, 64, 16), (2, 8, 64, 512, 128)])
+    WINDOW = [(1, 1, 4, 64, 8), (3, 6, 4, 64, 16), (2, 8, 64, 512, 128)]
+
+    @pytest.mark.parametrize("batch,nodes,heads,dim,window", WINDOW)
     def test_tree_window_attention_triton_path(batch, nodes, heads, dim, window, dtype, seed):
         """The CPU-testable GPU fallback of the MTP op: tree mask -> slot lists -> the tree attention kernel."""
         case = window_case(batch, nodes, heads, dim, window, dtype=dtype)
