@@ -1,8 +1,8 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``): registration only.
 
-SGLang calls ``register`` at the start of every process it runs (launcher, each scheduler / TP
-rank, detokenizer). On a GPU machine the CPU support does nothing; imports stay lazy so that a
-process that never needs our code pays nothing for it.
+SGLang calls ``register`` at the start of every process it runs (launcher, each scheduler / TP rank,
+detokenizer). It registers the ``TREE_V4`` speculative algorithm and the DeepSeek-V4 model override, and on a
+machine without a GPU the CPU support. Heavy imports stay inside the hooks they serve.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 def register() -> None:
     from .cpu import activate
     from .cpu.driver_stub import StubBuildError
+    from .spec import algorithm, model_override
 
     try:
         activate()
@@ -21,3 +22,5 @@ def register() -> None:
         # the process with the one message that says what is missing.
         print(str(err), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    algorithm.register()
+    model_override.install()

@@ -1,0 +1,99 @@
+"""Make SGLang build our DeepSeek-V4 for V4 checkpoints (on a CPU always; on a GPU when TREE_V4 is selected).
+
+Two hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
+architecture and describes the KV pool our model wants (one head per layer, one row width, two extra layers; see
+``dsv4.sglang_model``), with the checkpoint's own config kept for our model; and our class is put in SGLang's
+model registry under that name. With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
+(its CUDA-only pool, backend and the topk == 1 assertion) fire.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+PARSE_TARGET = "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.parse"
+ARCH_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
+CHAT_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
+OWN_MODEL_ENV = "SGLANG_TREE_V4_OWN_MODEL"
+V4_ARCH = "DeepseekV4ForCausalLM"
+
+
+def use_own_model() -> bool:
+    """Ours on a CPU-only machine, or wherever TREE_V4 was asked for (flag set while resolving its arguments)."""
+    from ..cpu import cpu_only_machine
+
+    return (os.environ.get(OWN_MODEL_ENV) == "1" or "TREE_V4" in sys.argv or cpu_only_machine())
+
+
+def _checkpoint_config(model_path: str) -> dict | None:
+    path = os.path.join(str(model_path), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def sglang_config(raw: dict):
+    """The config SGLang sizes its pools and tokenizer from; ``raw`` travels along for our model."""
+    from transformers import PretrainedConfig
+
+    from ..dsv4.config import DSV4Config
+    from ..dsv4.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR, pool_layers, pool_row_width
+
+    cfg = DSV4Config.from_dict(raw)
+    width = pool_row_width(cfg)
+    config = PretrainedConfig(
+        architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=pool_layers(cfg), num_attention_heads=1, num_key_value_heads=1, head_dim=width,
+        v_head_dim=1, max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
+        bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
+        tie_word_embeddings=False, torch_dtype=raw.get("torch_dtype", "float32"))
+    setattr(config, RAW_CONFIG_ATTR, raw)
+    return config
+
+
+def around_parse(original, parser, model, *args, **kwargs):
+    """AROUND hook on ``HfModelConfigParser.parse(self, model, ...)``: V4 checkpoints never reach transformers'
+    config class (which only knows ratios 4 and 128 in DeepSeek's layout) when our model serves them."""
+    raw = _checkpoint_config(model)
+    is_v4 = raw is not None and (raw.get("model_type") == "deepseek_v4" or raw.get("architectures") == [V4_ARCH])
+    if not is_v4 or not use_own_model():
+        return original(parser, model, *args, **kwargs)
+    config = sglang_config(raw)
+    config._name_or_path = str(model)
+    return config
+
+
+def before_get_architecture(model_config, *args, **kwargs):
+    """BEFORE hook on ``get_model_architecture``: register our class under our architecture name."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from ..dsv4.sglang_model import ARCHITECTURE, TreeV4DeepseekV4ForCausalLM
+
+    if ModelRegistry.models.get(ARCHITECTURE) is not TreeV4DeepseekV4ForCausalLM:
+        ModelRegistry.models[ARCHITECTURE] = TreeV4DeepseekV4ForCausalLM
+    return None
+
+
+def chat_encoding(original, *args, **kwargs):
+    """AROUND hook on ``resolve_chat_encoding_spec``: a V4 checkpoint served by our model uses its own chat
+    template when it ships one (the embedded model does), else DeepSeek's V4 encoder as stock SGLang would."""
+    from ..dsv4.sglang_model import ARCHITECTURE
+
+    hf_config, tokenizer = kwargs.get("hf_config"), kwargs.get("tokenizer")
+    if (getattr(hf_config, "architectures", None) or [None])[0] == ARCHITECTURE and kwargs.get("tool_call_parser") is None:
+        return None if getattr(tokenizer, "chat_template", None) else "dsv4"
+    return original(*args, **kwargs)
+
+
+def install() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(PARSE_TARGET, around_parse, HookType.AROUND)
+    HookRegistry.register(ARCH_TARGET, before_get_architecture, HookType.BEFORE)
+    HookRegistry.register(CHAT_TARGET, chat_encoding, HookType.AROUND)

@@ -1,0 +1,71 @@
+"""DeepSeek-V4's MTP layer as the tree core's drafter, inside one SGLang decode round.
+
+Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the children of a node at position
+``p`` runs at ``p - 1`` with the node's token and its parent's hidden streams. For a round over committed length
+``L`` with root (bonus) token ``b`` at position ``L``:
+
+* ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
+  the target's streams from their slots. Its last query is the root's draft: children logits and hidden.
+* draft nodes of depth ``d >= 1`` run at ``L + d - 1``. Their MTP rows are scratch in the request's reserved slots
+  past the verify block (``req_to_token[L + D : L + D + K * (S - 1)]``), never in a committed slot; a node reads the
+  committed rows below ``L`` plus the rows of its own ancestors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dsv4.mtp import mtp_forward
+from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
+from ..tree import DraftStep
+
+
+def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor,
+             starts: list[int], lens: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP rows for positions ``[starts[b], lens[b])`` of every request; returns the root draft.
+
+    ``tokens[b]`` holds the request's tokens by position (length ``lens[b] + 1``: the bonus is last).
+    Returns ``(logits [B, 1, V], hidden [B, 1, hc, D])`` of each request's query at ``lens[b] - 1``.
+    """
+    device = req_table.device
+    counts = torch.tensor([n - s for s, n in zip(starts, lens)], device=device)
+    positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens)])
+    next_ids = torch.cat([torch.tensor(t[s + 1 : n + 1], device=device) for t, s, n in zip(tokens, starts, lens)])
+    query_req = torch.arange(len(lens), device=device).repeat_interleave(counts)
+    out_slots = req_table[query_req, positions]
+    hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size
+    h = streams[out_slots].view(-1, hc, hidden).to(model.embed.weight.dtype)
+    last = torch.cumsum(counts, 0) - 1
+    batch = ForwardBatch(next_ids.long(), positions, out_slots, SlotTable.for_requests(req_table, query_req, positions))
+    out = mtp_forward(model, batch, h, mtp_store, logits_rows=last)
+    return out.logits[:, None], out.streams[last][:, None]
+
+
+class MTPTreeDrafter:
+    """Implements ``tree.Drafter`` for draft steps >= 1 (the root's draft comes from ``catch_up``)."""
+
+    def __init__(self, model, mtp_store: SlotStore, req_table: torch.Tensor, prefix_lens: torch.Tensor,
+                 draft_tokens: int, topk: int):
+        self.model = model
+        self.store = mtp_store
+        self.req_table = req_table
+        self.prefix_lens = prefix_lens.long()
+        self.scratch_base = self.prefix_lens + draft_tokens - 1  # draft slot s >= 1 -> position L + D + s - 1
+        self.topk = topk
+
+    def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+        B, n = step.tokens.shape
+        depth = step.step  # every node fed at step s has depth s
+        rows = torch.arange(B, device=step.tokens.device)[:, None]
+        out_slots = self.req_table[rows, self.scratch_base[:, None] + step.slots]
+        # Ancestors at depths 1..depth (itself last): one fed slot per depth among that depth's K slots.
+        by_depth = step.ancestors[:, :, 1 : 1 + depth * self.topk].reshape(B, n, depth, self.topk)
+        anc_draft_slots = 1 + torch.arange(depth, device=rows.device) * self.topk + by_depth.int().argmax(-1)
+        anc_slots = self.req_table[rows[:, :, None], self.scratch_base[:, None, None] + anc_draft_slots]
+        positions = (step.positions - 1).reshape(-1)
+        query_req = rows.expand(B, n).reshape(-1)
+        table = SlotTable(self.req_table, query_req, self.prefix_lens[query_req], anc_slots.reshape(B * n, depth))
+        batch = ForwardBatch(step.tokens.reshape(-1), positions, out_slots.reshape(-1), table)
+        hidden = step.parent_hidden.reshape(B * n, *step.parent_hidden.shape[2:])
+        out = mtp_forward(self.model, batch, hidden, self.store)
+        return out.logits.view(B, n, -1), out.streams.view(B, n, *out.streams.shape[1:])

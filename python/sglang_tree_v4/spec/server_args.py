@@ -1,0 +1,100 @@
+"""Startup validation and defaults of TREE_V4's server arguments.
+
+Budget flags follow SGLang: ``--speculative-num-draft-tokens`` D (tokens verified per request per step, root
+included), ``--speculative-eagle-topk`` K (branching of the dynamic tree), ``--speculative-num-steps`` S (draft
+depth). ``K = 1, S = D - 1`` is the matched linear chain. Impossible values and models that are not DeepSeek-V4
+with an MTP layer stop the launcher with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Defaults when only --speculative-algorithm TREE_V4 is given: a real tree (K > 1), chosen by the accept-length
+# measurements of benchmark/sweep.py on the embedded model (see benchmark/RESULTS.md).
+DEFAULT_DRAFT_TOKENS = 8
+DEFAULT_TOPK = 4
+DEFAULT_STEPS = 4
+MAX_DRAFT_TOKENS = 64
+MAX_TOPK = 16
+V4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    draft_tokens: int  # D
+    topk: int  # K
+    steps: int  # S
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+
+def max_tree_nodes(topk: int, steps: int) -> int:
+    """Nodes an S-step, top-K dynamic tree can offer besides the root: K children of the root, then K*K candidates
+    per further step (K frontier nodes times K children)."""
+    return topk + (steps - 1) * topk * topk
+
+
+def validate_budget(draft_tokens: int | None, topk: int | None, steps: int | None) -> TreeBudget:
+    """Fill defaults and check that the three flags describe a buildable tree."""
+    d = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+    k = (1 if steps is not None and steps == d - 1 and topk is None else DEFAULT_TOPK) if topk is None else topk
+    s = (d - 1 if k == 1 else min(DEFAULT_STEPS, d - 1)) if steps is None else steps
+    if not 2 <= d <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-num-draft-tokens must be in [2, {MAX_DRAFT_TOKENS}] for TREE_V4, got {d}")
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"--speculative-eagle-topk must be in [1, {MAX_TOPK}] for TREE_V4, got {k}")
+    if not 1 <= s <= d - 1:
+        raise ValueError(f"--speculative-num-steps must be in [1, D-1 = {d - 1}] for TREE_V4 "
+                         f"(--speculative-num-draft-tokens {d}), got {s}")
+    if max_tree_nodes(k, s) < d - 1:
+        raise ValueError(
+            f"--speculative-num-draft-tokens {d} cannot be filled by a tree with --speculative-eagle-topk {k} and "
+            f"--speculative-num-steps {s} (at most {max_tree_nodes(k, s)} draft nodes besides the root); "
+            f"raise --speculative-num-steps or --speculative-eagle-topk")
+    return TreeBudget(d, k, s)
+
+
+def read_model_config(model_path: str) -> dict:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--speculative-algorithm TREE_V4 needs a local DeepSeek-V4 checkpoint; "
+                         f"--model-path {model_path!r} has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def validate_model(model_path: str) -> dict:
+    """The checkpoint must be DeepSeek-V4 with at least one MTP (next-n) layer: the MTP is the drafter."""
+    cfg = read_model_config(model_path)
+    archs = cfg.get("architectures") or []
+    if cfg.get("model_type") != "deepseek_v4" and not any(a in V4_ARCHITECTURES for a in archs):
+        raise ValueError(f"--speculative-algorithm TREE_V4 supports DeepSeek-V4 models only; --model-path "
+                         f"{model_path!r} is {archs or cfg.get('model_type')!r}")
+    if int(cfg.get("num_nextn_predict_layers") or 0) < 1:
+        raise ValueError(f"--speculative-algorithm TREE_V4 drafts with the model's MTP layer, but --model-path "
+                         f"{model_path!r} has num_nextn_predict_layers = 0")
+    return cfg
+
+
+def handle_server_args(server_args) -> None:
+    """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared)."""
+    validate_model(server_args.model_path)
+    budget = validate_budget(server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
+                             server_args.speculative_num_steps)
+    server_args.speculative_num_draft_tokens = budget.draft_tokens
+    server_args.speculative_eagle_topk = budget.topk
+    server_args.speculative_num_steps = budget.steps
+    if not server_args.disable_overlap_schedule:
+        logger.warning("TREE_V4 runs without overlap scheduling; switching it off (--disable-overlap-schedule).")
+        server_args.disable_overlap_schedule = True
+    server_args.enable_mixed_chunk = False
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = 64

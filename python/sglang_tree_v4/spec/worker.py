@@ -1,0 +1,166 @@
+"""The TREE_V4 speculative worker: MTP draft of a dynamic tree -> one target verify pass -> accept -> commit.
+
+A decode round, per batch:
+
+1. the MTP catches up on the positions committed since it last ran (at most one window) and drafts the root's
+   children; ``build_draft_tree`` expands the tree with the MTP over scratch slots (EAGLE-2: top-K frontier, S
+   steps, rerank to D nodes);
+2. the target verifies all D nodes of every request in one forward (``TARGET_VERIFY``; our model reads each node's
+   ancestry from the tree mask, writes only the node's own verify slot);
+3. the tree core accepts the longest matching path (greedy) or runs lossless multi-branch speculative sampling
+   with each request's sampling parameters;
+4. SGLang's accepted-token move copies the accepted nodes' whole per-slot rows (target, streams, MTP) to the
+   request's canonical slots: that is the accepted-path state refresh. Rejected rows stay in reserved slots that
+   the next round overwrites and the request's release frees.
+
+Prefill rounds are plain target forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_device, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
+
+from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
+from ..tree import SamplingParams, build_draft_tree, verify_greedy, verify_sampling
+from .mtp_drafter import MTPTreeDrafter, catch_up
+from .server_args import TreeBudget
+
+logger = logging.getLogger(__name__)
+MTP_LEN_ATTR = "tree_v4_mtp_len"  # per request: positions whose MTP rows are current
+
+
+class TreeV4Worker(BaseSpecWorker):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        spec = get_spec()
+        self.budget = TreeBudget(spec.speculative_num_draft_tokens, spec.speculative_eagle_topk,
+                                 spec.speculative_num_steps)
+        self.speculative_num_draft_tokens = self.budget.draft_tokens
+        self.device = get_device().device
+        self.adapter = self.model_runner.model
+        if not isinstance(self.adapter, TreeV4DeepseekV4ForCausalLM):
+            raise ValueError(f"--speculative-algorithm TREE_V4 needs our DeepSeek-V4 model, got "
+                             f"{type(self.adapter).__name__}")
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(server_args.random_seed or 0)
+        logger.info("TREE_V4 worker: D=%d K=%d S=%d", *vars(self.budget).values())
+
+    # --- what the scheduler expects of a worker -------------------------------------------------------------
+    def alloc_memory_pool(self, **kwargs):
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self._target_worker.get_memory_pool()
+
+    @property
+    def draft_worker(self):
+        return None
+
+    def clear_cache_pool(self):
+        pass
+
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None, **kwargs):
+        if batch.forward_mode.is_decode():
+            return self._decode_round(batch, on_publish)
+        return self._prefill_round(batch, on_publish, pp_proxy_tensors)
+
+    # --- prefill -------------------------------------------------------------------------------------------
+    def _prefill_round(self, batch, on_publish, pp_proxy_tensors):
+        for req in batch.reqs:  # slots may be new (retraction, radix hit): MTP rows are rebuilt next round
+            setattr(req, MTP_LEN_ATTR, 0)
+        result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        bs, D = len(batch.reqs), self.budget.draft_tokens
+        accept_tokens = torch.zeros(bs, D, dtype=torch.int32, device=self.device)
+        accept_tokens[:, 0] = result.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        new_seq_lens = batch.seq_lens.clone()
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        return GenerationBatchResult(
+            logits_output=result.logits_output, next_token_ids=result.next_token_ids,
+            can_run_cuda_graph=result.can_run_cuda_graph, accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
+                                              accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
+            speculative_num_draft_tokens=D)
+
+    # --- decode: draft, verify, accept, commit --------------------------------------------------------------
+    def _draft(self, batch):
+        model = self.adapter.model
+        _, mtp_store, streams = self.adapter.stores()
+        D, K, S = self.budget.draft_tokens, self.budget.topk, self.budget.steps
+        req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
+        lens = batch.seq_lens.tolist()
+        window = model.cfg.window
+        tokens, starts = [], []
+        for req, L in zip(batch.reqs, lens):
+            seq = list(req.origin_input_ids) + list(req.output_ids)
+            assert len(seq) == L + 1, (len(seq), L)
+            tokens.append(seq)
+            starts.append(max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0))
+            setattr(req, MTP_LEN_ATTR, L)
+            if req.kv.kv_allocated_len < L + D + K * (S - 1):
+                raise RuntimeError("TREE_V4: fewer reserved KV slots than the draft tree needs")
+        root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, tokens)
+        prefix = batch.seq_lens.long()
+        roots = torch.tensor([seq[-1] for seq in tokens], device=self.device)
+        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, D, K)
+        return build_draft_tree(roots, prefix, drafter, S, K, D, root_draft=root_draft)
+
+    def _verify_input(self, batch, tree):
+        D = self.budget.draft_tokens
+        mask = tree.ancestor_mask().flatten()
+        positions = tree.positions(batch.seq_lens.long()).flatten()
+        rows = batch.req_pool_indices.long()[:, None]
+        cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
+        batch.out_cache_loc = self.req_to_token_pool.req_to_token[rows, cols].flatten().to(torch.int64)
+        batch.input_ids = tree.tokens.flatten().to(torch.int64)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.spec_info = NgramVerifyInput(draft_token=batch.input_ids, custom_mask=mask, positions=positions,
+                                           draft_token_num=D)
+
+    def _accept(self, batch, tree, logits):
+        info = batch.sampling_info
+        if info.is_all_greedy:
+            return verify_greedy(tree, logits)
+        params = SamplingParams(temperatures=info.temperatures.flatten().float(), top_ks=info.top_ks.long(),
+                                top_ps=info.top_ps.float(), min_ps=info.min_ps.float())
+        return verify_sampling(tree, logits, params, generator=self.generator)
+
+    def _decode_round(self, batch, on_publish):
+        bs, D = len(batch.reqs), self.budget.draft_tokens
+        tree = self._draft(batch)
+        self._verify_input(batch, tree)
+        result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        logits_output = result.logits_output
+        verdict = self._accept(batch, tree, logits_output.next_token_logits.view(bs, D, -1))
+
+        flat_offset = torch.arange(bs, device=self.device)[:, None] * D
+        accept_index = torch.where(verdict.accepted_nodes >= 0, verdict.accepted_nodes + flat_offset, -1)
+        predict = torch.zeros(bs * D, dtype=torch.int64, device=self.device)
+        valid = accept_index >= 0
+        predict[accept_index[valid]] = verdict.tokens[valid]
+        accept_lens = verdict.accept_lens.to(torch.int32)
+        move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator)
+        if batch.return_logprob:
+            compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        new_seq_lens = batch.seq_lens + accept_lens
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        accept_tokens = torch.where(valid, predict[accept_index.clamp(min=0)], 0).to(torch.int32).flatten()
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=accept_tokens, can_run_cuda_graph=False,
+            accept_lens=accept_lens, new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
+                                              accept_tokens=accept_tokens, accept_lens=accept_lens),
+            speculative_num_draft_tokens=D)
