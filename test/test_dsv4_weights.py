@@ -125,22 +125,27 @@ def test_missing_and_misshaped_tensors_are_named(tiny):
         load_state(ours, bad)
 
 
-def _fp8_quant(w, block=32):
+def _fp8_quant(w, block=32, pow2=False):
     o, i = w.shape
     s = w.abs().reshape(o // block, block, i // block, block).amax(dim=(1, 3)) / 448.0
+    if pow2:  # UE8M0 scales, as DeepSeek-V4 checkpoints ship them
+        s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (w / s.repeat_interleave(block, 0).repeat_interleave(block, 1)).to(torch.float8_e4m3fn)
     return q, s
 
 
-def test_fp8_block_scaled_weights_are_dequantised(tiny):
+def test_fp8_block_scaled_weights_are_dequantised(tiny, tmp_path):
     hf, ids, ref = tiny
     ours = ours_from_hf(hf)
+    save_checkpoint(ours, str(tmp_path))
     state = deepseek_state(ours)
     q, s = _fp8_quant(state["head.weight"])
     state["head.weight"], state["head.scale"] = q, s
-    q2, s2 = _fp8_quant(state["layers.3.ffn.experts.2.w1.weight"])
-    state["layers.3.ffn.experts.2.w1.weight"], state["layers.3.ffn.experts.2.w1.scale"] = q2, s2
-    load_state(ours, state)
+    q2, s2 = _fp8_quant(state["layers.3.ffn.experts.2.w1.weight"], pow2=True)
+    state["layers.3.ffn.experts.2.w1.weight"] = q2
+    state["layers.3.ffn.experts.2.w1.scale"] = s2.to(torch.float8_e8m0fnu)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ours = load_model(str(tmp_path))
     want = q.float() * s.repeat_interleave(32, 0).repeat_interleave(32, 1)
     assert torch.equal(ours.head.weight.data, want)
     assert torch.equal(ours.layers[3].ffn.experts.w1.data[2], q2.float() * s2.repeat_interleave(32, 0)
