@@ -76,6 +76,27 @@ else:
         for n in empty:
             assert torch.all(got[n] == 0), f"seed={seed}"
 
+    SPLITS = [
+        # n_nodes, heads, dim, t_a, t_b, empty_nodes, num_splits
+        pytest.param(4, 4, 64, 40, 70, (1,), 3, id="tiny-3-splits"),
+        pytest.param(3, 4, 64, 10, 0, (), 4, id="more-splits-than-tiles"),
+        pytest.param(2, 4, 64, 0, 0, (), 2, id="all-empty"),
+        pytest.param(2, 64, 512, 128, 512, (), 5, id="v4flash-5-splits"),
+    ]
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    @pytest.mark.parametrize("n_nodes,heads,dim,t_a,t_b,empty,num_splits", SPLITS)
+    def test_tree_sparse_attention_kernel_split_lists(n_nodes, heads, dim, t_a, t_b, empty, num_splits, dtype, seed):
+        """Flash-decoding mode (several programs per node, merged by a second kernel), forced on the CPU."""
+        case = attention_case(n_nodes, heads, dim, t_a, t_b, dtype=dtype, empty_nodes=empty)
+        out = torch.full(case["q"].shape, float("nan"), dtype=dtype)
+        ops.tree_sparse_attention(**case, out=out, backend="triton", num_splits=num_splits)
+        want = tree_sparse_attention_ref(**_fp32_copy(case))
+        assert not torch.isnan(out).any(), f"unwritten output (seed={seed})"
+        assert rel_err(out, want) <= TOLERANCE[dtype], f"rel err {rel_err(out, want):.3g} (seed={seed})"
+        for n in empty:
+            assert torch.all(out[n] == 0), f"seed={seed}"
+
     def test_tree_sparse_attention_kernel_strided_query_and_output(seed):
         """q and out as views with non-unit strides (heads interleaved with other data) are honoured."""
         case = attention_case(3, 4, 64, 10, 6)
@@ -115,9 +136,9 @@ else:
         ops.compress_entries(**case, out_dtype=torch.float32, out=out, backend="triton")
         assert rel_err(out, compress_entries_ref(**_fp32_copy(case))) <= 1e-5, f"seed={seed}"
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
     WINDOW = [(1, 1, 4, 64, 8), (3, 6, 4, 64, 16), (2, 8, 64, 512, 128)]
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
     @pytest.mark.parametrize("batch,nodes,heads,dim,window", WINDOW)
     def test_tree_window_attention_triton_path(batch, nodes, heads, dim, window, dtype, seed):
         """The CPU-testable GPU fallback of the MTP op: tree mask -> slot lists -> the tree attention kernel."""

@@ -70,8 +70,12 @@ def tree_sparse_attention(
     *,
     out: torch.Tensor | None = None,
     backend: str | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Tree sparse attention over raw-KV rows and compressed entries in one softmax with a sink (see module doc)."""
+    """Tree sparse attention over raw-KV rows and compressed entries in one softmax with a sink (see module doc).
+
+    num_splits (Triton only): programs sharing one node's lists, merged afterwards; None picks it from the GPU.
+    """
     if q.dim() != 3 or q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be [N, H, D] float, got {tuple(q.shape)} {q.dtype}")
     n_nodes, num_heads, head_dim = q.shape
@@ -93,7 +97,7 @@ def tree_sparse_attention(
         return reference.tree_sparse_attention_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out)
     from .triton_tree_attention import tree_sparse_attention_triton
 
-    return tree_sparse_attention_triton(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out)
+    return tree_sparse_attention_triton(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out, num_splits=num_splits)
 
 
 def compress_entries(

@@ -42,7 +42,7 @@ def tree_sparse_attention_ref(
     scores = torch.einsum("nhd,ntd->nht", q.float(), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink_logit = sink.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    m = torch.maximum(scores.amax(dim=-1, keepdim=True), sink_logit)
+    m = torch.cat([scores, sink_logit], dim=-1).amax(dim=-1, keepdim=True)  # also fine for zero-width lists
     p = torch.exp(scores - m)
     denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_logit - m)
     result = (torch.einsum("nht,ntd->nhd", p, keys) / denom).to(q.dtype)
