@@ -52,7 +52,9 @@ def tree_window_attention_flashinfer(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.tree_window_attention_ref`; `kv` is `[S, D]` with unit column stride."""
-    n_tokens, num_heads, head_dim = q.shape
+    if kv.stride(1) != 1:
+        raise ValueError("FlashInfer reads pool rows with unit column stride")
+    num_heads, head_dim = q.shape[1], q.shape[2]
     batch = qo_indptr.numel() - 1
     device = q.device
     wrapper = _wrapper(device)
