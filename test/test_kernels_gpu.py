@@ -31,8 +31,11 @@ def _fp32_copy(case: dict) -> dict:
     return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in case.items()}
 
 
+GPU_ATTENTION = [(6, 4, 64, 20, 9), (8, 64, 512, 128, 512), (320, 64, 512, 128, 64)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n_nodes,heads,dim,t_a,t_b", [(6, 4, 64, 20, 9), (8, 64, 512, 128, 512), (320, 64, 512, 128, 64)])
+@pytest.mark.parametrize("n_nodes,heads,dim,t_a,t_b", GPU_ATTENTION)
 def test_tree_sparse_attention_on_gpu(n_nodes, heads, dim, t_a, t_b, dtype, seed):
     case = attention_case(n_nodes, heads, dim, t_a, t_b, dtype=dtype, device="cuda", empty_nodes=(1,))
     out = torch.full(case["q"].shape, float("nan"), dtype=dtype, device="cuda")
