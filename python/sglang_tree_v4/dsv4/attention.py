@@ -51,7 +51,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
         n, H, hd, W = x.shape[0], self.n_heads, self.head_dim, self.window
-        cos, sin = rope.cos_sin(fb.positions)
+        cos, sin = fb.memo(("rope", id(rope)), lambda: rope.cos_sin(fb.positions))
         q_res = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(q_res).view(n, H, hd), self.eps)
         q = rope.rotate(q, cos[:, None], sin[:, None])
@@ -68,20 +68,18 @@ class Attention(nn.Module):
             self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry")
         if self.indexer is not None:
             self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry")
-        # 3) gather what each query sees
-        win_pos = fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)
-        win_slots = fb.table.lookup(win_pos)
+        # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
+        win_slots = fb.memo(("window", W), lambda: fb.table.lookup(
+            fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)))
         keys = store.read(layer, "k", win_slots)  # [N, W, hd]
         visible = win_slots >= 0
         if self.compressor is not None:
             r = self.ratio
             if self.indexer is not None:
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
+                ent_slots = torch.where(ok, fb.memo(("entries", r), lambda: _entry_slots(fb, r)).gather(1, idx), -1)
             else:
-                emax = int(((fb.positions + 1) // r).max()) if n > 0 else 0
-                idx = torch.arange(emax, device=x.device).expand(n, emax)
-                ok = idx < ((fb.positions + 1) // r)[:, None]
-            ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1), torch.full_like(idx, -1))
+                ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             keys = torch.cat([keys, store.read(layer, "entry", ent_slots)], dim=1)
             visible = torch.cat([visible, ent_slots >= 0], dim=1)
         o = sink_attention(q, keys, visible, self.attn_sink, hd ** -0.5)
@@ -90,6 +88,14 @@ class Attention(nn.Module):
         wa = self.wo_a.weight.view(g, -1, o.shape[1] * hd // g)
         o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, -1), wa).flatten(1)
         return self.wo_b(o)
+
+
+def _entry_slots(fb: ForwardBatch, r: int) -> torch.Tensor:
+    """[N, E] slots of entries e < (p+1)//r (position r*e + r - 1), -1 beyond each query's count."""
+    counts = (fb.positions + 1) // r
+    emax = int(counts.max()) if counts.numel() else 0
+    e = torch.arange(emax, device=fb.positions.device).expand(len(counts), emax)
+    return torch.where(e < counts[:, None], fb.table.lookup(e * r + r - 1), -1)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,

@@ -42,14 +42,11 @@ class Compressor(nn.Module):
                      entry: str) -> None:
         """Compute and store the entries of the queries that close a block (rows must already be written)."""
         r, d = self.ratio, self.d
-        closers = ((fb.positions + 1) % r == 0).nonzero().squeeze(1)
+        span = 2 * r if self.overlap else r
+        closers, slots = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
         if closers.numel() == 0:
             return
         p = fb.positions[closers]
-        span = 2 * r if self.overlap else r
-        pos = p[:, None] - torch.arange(span - 1, -1, -1, device=p.device)  # [M, span], ascending
-        sub = _subtable(fb, closers)
-        slots = sub.lookup(pos)
         rows_kv = store.read(layer, kv, slots)  # [M, span, width]
         rows_s = store.read(layer, score, slots)
         if self.overlap:
@@ -65,9 +62,14 @@ class Compressor(nn.Module):
         store.write(layer, entry, fb.out_slots[closers], rope.rotate(ent, cos, sin))
 
 
-def _subtable(fb: ForwardBatch, rows: torch.Tensor):
+def _closer_rows(fb: ForwardBatch, r: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries closing a block of ratio r, and the slots of their window's ``span`` positions (ascending)."""
+    closers = ((fb.positions + 1) % r == 0).nonzero().squeeze(1)
+    p = fb.positions[closers]
+    pos = p[:, None] - torch.arange(span - 1, -1, -1, device=p.device)
     t = fb.table
-    return type(t)(t.req_table, t.query_req[rows], t.base[rows], t.anc[rows])
+    sub = type(t)(t.req_table, t.query_req[closers], t.base[closers], t.anc[closers])
+    return closers, sub.lookup(pos)
 
 
 class Indexer(nn.Module):
@@ -93,7 +95,8 @@ class Indexer(nn.Module):
             return z, z.bool()
         cand = torch.arange(emax, device=x.device).expand(n, emax)
         cvalid = cand < n_vis[:, None]
-        keys = store.read(layer, "ientry", fb.table.lookup(cand * 4 + 3))  # [N, E, ihd]
+        cslots = fb.memo(("entries", 4), lambda: torch.where(cvalid, fb.table.lookup(cand * 4 + 3), -1))
+        keys = store.read(layer, "ientry", cslots)  # [N, E, ihd]
         q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
         q = rope.rotate(q, cos[:, None], sin[:, None])
         s = torch.relu(torch.einsum("nhd,ned->nhe", q.float(), keys.float())) * self.head_dim ** -0.5

@@ -23,7 +23,8 @@ a draft-tree node at depth ``d`` uses ``base = L`` and its path (root .. itself)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -174,3 +175,11 @@ class ForwardBatch:
     positions: torch.Tensor  # [N] long
     out_slots: torch.Tensor  # [N] long: the ONLY slot each query writes
     table: SlotTable
+    memo_: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key: Any, fn: Callable[[], Any]) -> Any:
+        """Per-forward cache for what every layer would recompute identically (rope tables, window and entry
+        slot lists, block-closing queries)."""
+        if key not in self.memo_:
+            self.memo_[key] = fn()
+        return self.memo_[key]
