@@ -24,7 +24,9 @@ import triton.language as tl
 
 def _interpreting() -> bool:
     """Triton's CPU interpreter computes tl.dot on bf16/fp16 operands wrongly (raw 16-bit patterns, seen with
-    triton 3.8); under it the half-precision dots run on fp32 copies instead. On a GPU they stay half precision."""
+    triton 3.8); under it the half-precision dots run on fp32 copies instead, and p is not rounded to bf16 before
+    the second dot (the interpreter's fp32 -> bf16 cast truncates, a bias the GPU's round-to-nearest does not
+    have). On a GPU both dots stay half precision."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -47,8 +49,8 @@ def _attend_range(
             other=0.0,
         )
         if DOT_FP32:
-            k = k.to(tl.float32)
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+            k32 = k.to(tl.float32)
+            s = tl.dot(q.to(tl.float32), tl.trans(k32), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * scale, float("-inf"))
@@ -57,7 +59,7 @@ def _attend_range(
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
-            pv = tl.dot(p, k, input_precision="ieee")
+            pv = tl.dot(p, k32, input_precision="ieee")
         else:
             pv = tl.dot(p.to(k.dtype), k)
         acc = acc * alpha[:, None] + pv
