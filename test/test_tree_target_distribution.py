@@ -82,3 +82,49 @@ def test_rows_are_independent_of_the_batch():
     for r in range(6):
         alone = target_probs(logits[r : r + 1], params.select(torch.tensor([r])))
         torch.testing.assert_close(together[r : r + 1], alone, atol=0, rtol=0)
+
+
+def test_bucketed_top_p_matches_reference_and_leaves_crowded_buckets_to_the_sort():
+    from sglang_tree_v4.tree.target_distribution import _top_p_by_buckets
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(12, 3000, generator=gen) * torch.linspace(0.2, 4, 12)[:, None]
+    logits[3] = 0.0  # uniform: one bucket of 3000 tokens
+    logits[7] = -5.0
+    logits[7, 500:2500] = 0.0  # 2000 tied tokens on top
+    top_ps = torch.tensor([0.5, 0.9, 0.99, 0.7, 0.3, 0.95, 0.8, 0.6, 0.999, 0.2, 0.9, 0.75])
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.full_like(probs, -1.0)
+    solved = _top_p_by_buckets(out, probs, torch.arange(12), top_ps, max_boundary=1000)
+    assert solved.tolist() == [r not in (3, 7) for r in range(12)]
+    for r in range(12):
+        if solved[r]:
+            want = reference_row(logits[r], 1.0, -1, top_ps[r].item(), 0.0)
+            assert torch.equal(out[r] > 0, want > 0), f"row {r}"
+            torch.testing.assert_close(out[r].double(), want, atol=1e-6, rtol=1e-5)
+        else:
+            assert (out[r] == -1.0).all()
+    # The caller falls back to the full sort for those rows, with the same semantics.
+    params = SamplingParams(torch.ones(12), torch.full((12,), -1), top_ps, torch.zeros(12))
+    got = target_probs(logits, params)
+    for r in (3, 7):
+        torch.testing.assert_close(got[r].double(), reference_row(logits[r], 1.0, -1, top_ps[r].item(), 0.0),
+                                   atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shift", [16, 20, 23])
+def test_bucketed_top_p_ranks_the_crossing_bucket_exactly(shift):
+    from sglang_tree_v4.tree.target_distribution import _top_p_by_buckets
+
+    gen = torch.Generator().manual_seed(shift)
+    logits = torch.randn(10, 2000, generator=gen) * torch.linspace(0.3, 3, 10)[:, None]
+    logits[4] = torch.randint(0, 3, (2000,), generator=gen).float()  # runs of ties
+    top_ps = torch.tensor([0.5, 0.9, 0.99, 0.7, 0.3, 0.95, 0.8, 0.6, 0.999, 0.2])
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.zeros_like(probs)
+    solved = _top_p_by_buckets(out, probs, torch.arange(10), top_ps, shift=shift, max_boundary=10**9)
+    assert solved.all()
+    for r in range(10):
+        want = reference_row(logits[r], 1.0, -1, top_ps[r].item(), 0.0)
+        assert torch.equal(out[r] > 0, want > 0), f"row {r}"
+        torch.testing.assert_close(out[r].double(), want, atol=1e-6, rtol=1e-5)

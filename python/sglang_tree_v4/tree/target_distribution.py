@@ -80,7 +80,7 @@ def target_probs(
     ``params`` has one entry per row. ``candidate_caps`` only tunes speed (how many top candidates are tried, in
     turn, before a row falls back to a full sort); the kept tokens do not depend on it.
     """
-    vocab = logits.shape[1]
+    n, vocab = logits.shape
     greedy = params.is_greedy()
     temperatures = torch.where(greedy, 1.0, params.temperatures.float())
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
@@ -88,7 +88,10 @@ def target_probs(
     cut = ~greedy & ((top_ks < vocab) | (params.top_ps < 1.0))
     if bool(cut.any()):
         rows = cut.nonzero().squeeze(1)
-        probs[rows] = _top_k_top_p(probs[rows], top_ks[rows], params.top_ps[rows].float(), candidate_caps)
+        if rows.numel() == n:
+            probs = _top_k_top_p(probs, top_ks, params.top_ps.float(), candidate_caps)
+        else:
+            probs[rows] = _top_k_top_p(probs[rows], top_ks[rows], params.top_ps[rows].float(), candidate_caps)
     min_p = ~greedy & (params.min_ps > 0)
     if bool(min_p.any()):
         rows = min_p.nonzero().squeeze(1)
@@ -104,14 +107,14 @@ def target_probs(
 def _top_k_top_p(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, candidate_caps: tuple[int, ...]
 ) -> torch.Tensor:
-    """Rows of ``probs`` restricted to their joint top-k / top-p cutoff and renormalised."""
+    """Rows of ``probs`` restricted to their joint top-k / top-p cutoff and renormalised (a new tensor)."""
     n, vocab = probs.shape
     out = torch.zeros_like(probs)
     pending = torch.arange(n, device=probs.device)
     for cap in candidate_caps:
         if cap >= vocab or pending.numel() == 0:
             break
-        sub = probs[pending]
+        sub = probs if pending.numel() == n else probs[pending]
         values, tokens = sub.topk(cap + 1, dim=-1)
         # The top ``cap`` decide a row when the next token does not tie with the last of them, and either top-k
         # stops inside them or their mass already exceeds top_p (then every later token has more mass before it).
@@ -120,29 +123,87 @@ def _top_k_top_p(
         done = decided.nonzero().squeeze(1)
         if done.numel() > 0:
             rows = pending[done]
-            out[rows] = _keep_renormalised(sub[done], tokens[done, :cap], top_ks[rows], top_ps[rows])
+            # topk leaves the order of equal values open: put ties in token-id order first.
+            by_id = tokens[done, :cap].sort(dim=-1).values
+            values = probs[rows[:, None], by_id]
+            order = values.argsort(dim=-1, descending=True, stable=True)
+            _scatter_cutoff(out, rows, values.gather(1, order), by_id.gather(1, order), top_ks[rows], top_ps[rows])
         pending = pending[~decided]
+    top_p_only = top_ks[pending] >= vocab
+    if bool(top_p_only.any()):
+        rows = pending[top_p_only]
+        solved = _top_p_by_buckets(out, probs, rows, top_ps[rows])
+        pending = torch.cat([pending[~top_p_only], rows[~solved]])
     if pending.numel() > 0:
-        sub = probs[pending]
-        everything = torch.arange(vocab, device=probs.device).expand_as(sub)
-        out[pending] = _keep_renormalised(sub, everything, top_ks[pending], top_ps[pending])
+        sub = probs if pending.numel() == n else probs[pending]
+        values, tokens = sub.sort(dim=-1, descending=True, stable=True)  # stable: ties stay in token-id order
+        _scatter_cutoff(out, pending, values, tokens, top_ks[pending], top_ps[pending])
     return out
 
 
-def _keep_renormalised(
-    probs: torch.Tensor, candidates: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+def _top_p_by_buckets(
+    out: torch.Tensor,
+    probs: torch.Tensor,
+    rows: torch.Tensor,
+    top_ps: torch.Tensor,
+    shift: int = 16,
+    num_buckets: int = 4096,
+    max_boundary: int = 4096,
 ) -> torch.Tensor:
-    """Dense rows holding only the candidates inside the joint top-k / top-p cutoff, renormalised.
+    """Top-p without sorting the vocabulary; writes the solved rows into ``out`` and returns which rows it solved.
 
-    ``candidates`` must contain each row's most probable tokens (any order); they are ranked by probability with
-    ties by lower token id.
+    Tokens are bucketed by the float32 bits of their probability (order-preserving for non-negative floats; with
+    ``shift = 16`` a bucket spans 1/128 of an octave, the last bucket holds everything 2^-32 below the maximum).
+    Whole buckets are kept while the running mass stays within top_p; only the bucket where it crosses top_p is
+    ranked exactly. Rows whose crossing bucket holds more than ``max_boundary`` tokens are left to the caller.
     """
-    by_id = candidates.sort(dim=-1).values
-    order = probs.gather(1, by_id).argsort(dim=-1, descending=True, stable=True)
-    tokens = by_id.gather(1, order)
-    sorted_probs = probs.gather(1, tokens)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    rank = torch.arange(tokens.shape[1], device=probs.device)[None, :]
+    sub = probs[rows]
+    bits = sub.view(torch.int32)
+    bucket = ((bits.amax(-1, keepdim=True) - bits) >> shift).clamp_(max=num_buckets - 1).long()
+    mass = torch.zeros(len(rows), num_buckets, device=probs.device).scatter_add_(1, bucket, sub)
+    count = torch.zeros_like(mass).scatter_add_(1, bucket, torch.ones_like(sub))
+    running = mass.double().cumsum(-1)
+    crossing = torch.searchsorted(running, top_ps.double()[:, None], right=True).clamp_(max=num_buckets - 1)
+    mass_before_bucket = torch.where(crossing > 0, running.gather(1, (crossing - 1).clamp(min=0)), 0.0)
+    size = count.gather(1, crossing).squeeze(1).long()
+    solved = size <= max_boundary
+    k = int(size[solved].max()) if bool(solved.any()) else 0
+    if k == 0:
+        return solved
+    done = solved.nonzero().squeeze(1)
+    sub, bucket, crossing = sub[done], bucket[done], crossing[done]
+    # Rank the crossing bucket exactly (descending, ties by token id; padding entries point at a spare column).
+    vocab = probs.shape[1]
+    values, tokens = torch.where(bucket == crossing, sub, -1.0).topk(k, dim=-1)
+    by_id = torch.where(values >= 0, tokens, vocab).sort(dim=-1).values
+    real = by_id < vocab
+    values = torch.where(real, sub.gather(1, by_id.clamp(max=vocab - 1)), -1.0)
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    values, by_id, real = values.gather(1, order), by_id.gather(1, order), real.gather(1, order)
+    mass = values.clamp(min=0).double()
+    before = mass_before_bucket[done] + mass.cumsum(-1) - mass
+    keep_crossing = real & (before <= top_ps[done].double()[:, None])
+    kept = torch.cat([torch.where(bucket < crossing, sub, 0.0), sub.new_zeros(len(done), 1)], dim=1)
+    kept.scatter_(1, by_id, torch.where(keep_crossing, values, 0.0))
+    kept = kept[:, :vocab]
+    out[rows[done]] = kept / kept.sum(-1, keepdim=True)
+    return solved
+
+
+def _scatter_cutoff(
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    tokens: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+) -> None:
+    """Writes into ``out[rows]`` the renormalised probabilities of the tokens inside the joint top-k / top-p cutoff.
+
+    ``values``/``tokens`` are each row's most probable tokens in final rank order (descending, ties by token id).
+    """
+    mass_before = values.cumsum(-1) - values
+    rank = torch.arange(tokens.shape[1], device=values.device)[None, :]
     keep = (rank < top_ks[:, None]) & ((mass_before <= top_ps[:, None]) | (top_ps[:, None] >= 1.0))
-    kept = torch.where(keep, sorted_probs, 0.0)
-    return torch.zeros_like(probs).scatter_(1, tokens, kept / kept.sum(-1, keepdim=True))
+    kept = torch.where(keep, values, 0.0)
+    out[rows[:, None], tokens] = kept / kept.sum(-1, keepdim=True)
