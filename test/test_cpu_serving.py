@@ -14,7 +14,8 @@ import sys
 import pytest
 import requests
 
-from support import data, server as srv, tiny_llama
+from sglang_tree_v4 import prompts
+from support import server as srv, tiny_llama
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 24
@@ -71,16 +72,16 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(servers):
 
 def test_ngram_greedy_equals_plain(servers):
     plain, ngram = servers
-    prompts = data.gsm8k_questions("test", 4) + data.mbpp_prompts(3)
-    for prompt in prompts:
+    texts = [r["question"] for r in prompts.gsm8k("test")[:4]] + [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:3]]
+    for prompt in texts:
         a, b = greedy(plain, prompt), greedy(ngram, prompt)
         assert a["output_ids"] == b["output_ids"], prompt
-    assert sum(greedy(ngram, p)["meta_info"].get("spec_verify_ct", 0) for p in prompts[:2]) > 0
+    assert sum(greedy(ngram, p)["meta_info"].get("spec_verify_ct", 0) for p in texts[:2]) > 0
 
 
 def test_ngram_radix_continuation_equals_plain(servers):
     plain, ngram = servers
-    prompt = data.gsm8k_questions("test", 6)[5]
+    prompt = prompts.gsm8k("test")[5]["question"]
     first = {name: greedy(s, prompt) for name, s in (("plain", plain), ("ngram", ngram))}
     assert first["plain"]["output_ids"] == first["ngram"]["output_ids"]
     ids = tiny_llama_ids(plain, prompt) + first["plain"]["output_ids"]
@@ -91,10 +92,10 @@ def test_ngram_radix_continuation_equals_plain(servers):
 
 def test_ngram_concurrent_batch_equals_plain(servers):
     plain, ngram = servers
-    prompts = data.gsm8k_questions("test", 14)[6:14]
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        spec = list(pool.map(lambda p: greedy(ngram, p), prompts))
-    for prompt, out in zip(prompts, spec):
+    texts = [r["question"] for r in prompts.gsm8k("test")[6:14]]
+    with cf.ThreadPoolExecutor(len(texts)) as pool:
+        spec = list(pool.map(lambda p: greedy(ngram, p), texts))
+    for prompt, out in zip(texts, spec):
         assert out["output_ids"] == greedy(plain, prompt)["output_ids"], prompt
 
 

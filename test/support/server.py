@@ -39,7 +39,7 @@ class Server:
     url: str
     log: Path
 
-    def post(self, path: str, payload: dict, timeout: float = 300) -> requests.Response:
+    def post(self, path: str, payload: dict, timeout: float = 1800) -> requests.Response:
         return requests.post(self.url + path, json=payload, timeout=timeout)
 
     def generate(self, payload: dict) -> dict:

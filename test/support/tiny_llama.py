@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from .data import gsm8k_questions
+from sglang_tree_v4 import prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -35,7 +35,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 def build(out: Path, seed: int = 0) -> Path:
     """Write config, safetensors and tokenizer of a 2-layer Llama to ``out``; return it."""
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(gsm8k_questions("train", 400), vocab_size=600)
+    tokenizer = train_tokenizer([r["question"] for r in prompts.gsm8k("train")[:400]], vocab_size=600)
     tokenizer.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

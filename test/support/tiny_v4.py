@@ -16,7 +16,7 @@ from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
 from sglang_tree_v4.dsv4.weights import save_checkpoint
 
-from .data import gsm8k_questions
+from sglang_tree_v4 import prompts
 from .tiny_llama import train_tokenizer
 
 
@@ -59,7 +59,7 @@ def randomize(model: DSV4Model, seed: int) -> None:
 
 def build(out: Path, seed: int = 0, hca_ratio: int = 8) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(gsm8k_questions("train", 400), vocab_size=512)
+    tokenizer = train_tokenizer([r["question"] for r in prompts.gsm8k("train")[:400]], vocab_size=512)
     tokenizer.save_pretrained(out)
     cfg = DSV4Config.from_dict(tiny_config(len(tokenizer), hca_ratio))
     model = DSV4Model(cfg, with_mtp=True)

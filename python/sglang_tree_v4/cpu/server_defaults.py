@@ -4,7 +4,7 @@ Without a GPU, SGLang sizes the KV pool as a fraction of the machine's RAM: on a
 that is ~15 GiB and ~30 s of allocation for a model of a few MB. A fixed token budget is the
 sensible default on a CPU; ``--max-total-tokens`` still overrides it. Our DeepSeek-V4 runs in float32 on a CPU
 (half precision is slow there and the losslessness tests compare against float32 references); ``--dtype`` still
-overrides it.
+overrides it. Idle schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the available ones evenly.
 """
 
 from __future__ import annotations
@@ -14,6 +14,16 @@ import os
 
 TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 DEFAULT_MAX_TOTAL_TOKENS = 65536
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's CPU tensor parallelism needs one core set per rank
+
+
+def cpu_binding(ranks: int) -> str:
+    """Split this process's cores into ``ranks`` contiguous groups, SGLang's ``"0-3|4-7"`` notation."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // ranks)
+    groups = [cores[min(i * per, len(cores) - 1): max(min((i + 1) * per, len(cores)), i * per + 1)]
+              for i in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
 def apply_cpu_defaults(original, self, *args, **kwargs):
@@ -21,8 +31,12 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
     if not getattr(self, "_resolution_finished", False):
         if self.max_total_tokens is None:
             self.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
+        # An idle scheduler busy-polls; on a CPU those cycles are taken from the model's own compute.
+        self.sleep_on_idle = True
         if self.dtype == "auto" and _is_deepseek_v4(self.model_path):
             self.dtype = "float32"
+        if (self.tp_size or 1) > 1:
+            os.environ.setdefault(THREADS_BIND_ENV, cpu_binding(self.tp_size))
     return original(self, *args, **kwargs)
 
 

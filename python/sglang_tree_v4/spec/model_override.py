@@ -49,7 +49,7 @@ def sglang_config(raw: dict):
     width = pool_row_width(cfg)
     config = PretrainedConfig(
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_hidden_layers=pool_layers(cfg), num_attention_heads=1, num_key_value_heads=1, head_dim=width,
+        num_hidden_layers=pool_layers(cfg), num_attention_heads=cfg.num_heads, num_key_value_heads=1, head_dim=width,
         v_head_dim=1, max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         tie_word_embeddings=False, torch_dtype=raw.get("torch_dtype", "float32"))

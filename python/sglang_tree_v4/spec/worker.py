@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from sglang.srt.distributed import get_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -34,6 +35,7 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
 from ..tree import SamplingParams, build_draft_tree, verify_greedy, verify_sampling
 from .mtp_drafter import MTPTreeDrafter, catch_up
 from .server_args import TreeBudget
+from .tp_sync import broadcast_verdict
 
 logger = logging.getLogger(__name__)
 MTP_LEN_ATTR = "tree_v4_mtp_len"  # per request: positions whose MTP rows are current
@@ -143,6 +145,7 @@ class TreeV4Worker(BaseSpecWorker):
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits.view(bs, D, -1))
+        verdict = broadcast_verdict(verdict, get_tp_group())
 
         flat_offset = torch.arange(bs, device=self.device)[:, None] * D
         accept_index = torch.where(verdict.accepted_nodes >= 0, verdict.accepted_nodes + flat_offset, -1)

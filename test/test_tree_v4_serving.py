@@ -1,0 +1,204 @@
+"""TREE_V4 end to end on a real SGLang server (CPU): every output must equal non-speculative serving.
+
+Three servers share the module: no speculation (the ground truth), TREE_V4 with a real tree (K > 1) and the
+matched chain (K = 1, S = D - 1). Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
+than 300 tokens so that HCA boundaries fall inside draft trees.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from scipy.stats import chi2_contingency
+
+from sglang_tree_v4 import prompts
+from support import server as srv, tiny_v4
+
+pytestmark = pytest.mark.server
+NEW_TOKENS = 64
+BUDGET = ["--speculative-num-draft-tokens", "6"]
+TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "3",
+        "--speculative-num-steps", "3"]
+CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
+         "--speculative-num-steps", "5"]
+COMMON = ["--device", "cpu", "--max-total-tokens", "32768"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_v4.build(tmp_path_factory.mktemp("tinyv4"))
+
+
+@pytest.fixture(scope="module")
+def servers(model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log")
+               for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN))}
+    try:
+        yield {name: srv.wait_healthy(s) for name, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def eval_prompts(tokenizer_server) -> list[dict]:
+    """20 short prompts plus long ones (> 300 tokens), as generate payload fragments."""
+    texts = ([r["question"] for r in prompts.gsm8k("test")[:8]]
+             + [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:6]]
+             + prompts.sharegpt_prompts(6))
+    items = [{"text": t} for t in texts]
+    long_text = " ".join(prompts.sharegpt_prompts(40)[-20:])
+    ids = tokenizer_server.post("/tokenize", {"prompt": long_text}).json()["tokens"]
+    assert len(ids) > 420
+    items += [{"input_ids": ids[:310]}, {"input_ids": ids[:333]}, {"input_ids": ids[:421]}]
+    return items
+
+
+def run_all(server, items: list[dict], sampling: dict) -> list[dict]:
+    with cf.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(lambda it: server.generate({**it, "sampling_params": sampling}), items))
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(servers):
+    items = eval_prompts(servers["plain"])
+    # 32 concurrent mixed-length requests per server: the prompts, then repeats of the first ones.
+    items = (items * 2)[:32]
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    return {name: run_all(s, items, sampling) for name, s in servers.items()}
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_greedy_equals_non_speculative(greedy_outputs, shape):
+    plain, spec = greedy_outputs["plain"], greedy_outputs[shape]
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert len(a["output_ids"]) == NEW_TOKENS
+        assert a["output_ids"] == b["output_ids"], f"request {i}"
+    verify_rounds = sum(o["meta_info"]["spec_verify_ct"] for o in spec)
+    assert 0 < verify_rounds < len(spec) * NEW_TOKENS
+
+
+def test_accept_length_reported(servers, greedy_outputs):
+    for shape in ("tree", "chain"):
+        meta = greedy_outputs[shape][0]["meta_info"]
+        assert meta["spec_accept_length"] >= 1.0
+        info = servers[shape].session_info() if hasattr(servers[shape], "session_info") else \
+            requests.get(servers[shape].url + "/get_server_info", timeout=30).json()
+        assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
+
+
+def test_stops_inside_accepted_blocks_match(servers):
+    """Stop strings, stop token ids and max_new_tokens behave exactly as without speculation."""
+    plain = servers["plain"]
+    text = prompts.gsm8k("test")[20]["question"]
+    ref = plain.generate({"text": text, "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                           "ignore_eos": True}})
+    stop_id = ref["output_ids"][17]
+    stop_str = ref["text"][len(ref["text"]) // 2: len(ref["text"]) // 2 + 3]
+    cases = [{"max_new_tokens": 13}, {"max_new_tokens": 40, "stop_token_ids": [stop_id]},
+             {"max_new_tokens": 40, "stop": [stop_str]}]
+    for case in cases:
+        sampling = {"temperature": 0, "ignore_eos": True, **case}
+        want = plain.generate({"text": text, "sampling_params": sampling})
+        for shape in ("tree", "chain"):
+            got = servers[shape].generate({"text": text, "sampling_params": sampling})
+            assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], (shape, case)
+            assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], (shape, case)
+
+
+def test_logprobs_returned(servers):
+    text = prompts.gsm8k("test")[21]["question"]
+    payload = {"text": text, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    want = servers["plain"].generate(payload)["meta_info"]["output_token_logprobs"]
+    got = servers["tree"].generate(payload)["meta_info"]["output_token_logprobs"]
+    assert [t[1] for t in got] == [t[1] for t in want]
+    assert max(abs(a[0] - b[0]) for a, b in zip(got, want)) < 1e-3
+
+
+def test_radix_cache_prefix_reuse(servers):
+    base = " ".join(prompts.sharegpt_prompts(12)[6:12])
+    ids = servers["plain"].post("/tokenize", {"prompt": base}).json()["tokens"][:200]
+    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    for shape in ("tree", "chain"):
+        first = servers[shape].generate({"input_ids": ids, "sampling_params": sampling})
+        second_ids = ids + first["output_ids"][:5] + ids[:7]
+        second = servers[shape].generate({"input_ids": second_ids, "sampling_params": sampling})
+        assert second["meta_info"]["cached_tokens"] >= len(ids)
+        want = servers["plain"].generate({"input_ids": second_ids, "sampling_params": sampling})
+        assert second["output_ids"] == want["output_ids"], shape
+
+
+def _token_counts(server, text, n, position, sampling):
+    payload = {"text": [text] * n, "sampling_params": [{**sampling, "sampling_seed": i} for i in range(n)]}
+    outs = server.generate(payload)
+    counts: dict[int, int] = {}
+    for o in outs:
+        tok = tuple(o["output_ids"][: position + 1])
+        counts[tok] = counts.get(tok, 0) + 1
+    return counts
+
+
+def test_sampling_distribution_matches(servers):
+    """Tokens 1-2 (the first two speculative tokens, after the prefill's token 0) follow the target's
+    distribution: a chi-square test of homogeneity against the non-speculative server at significance 0.001."""
+    text = prompts.gsm8k("test")[3]["question"]
+    sampling = {"max_new_tokens": 3, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "ignore_eos": True}
+    n = 600
+    plain = _token_counts(servers["plain"], text, n, 2, sampling)
+    tree = _token_counts(servers["tree"], text, n, 2, sampling)
+    keys = sorted(set(plain) | set(tree), key=lambda k: -(plain.get(k, 0) + tree.get(k, 0)))
+    frequent = [k for k in keys if plain.get(k, 0) + tree.get(k, 0) >= 10]
+    rows = [[plain.get(k, 0) for k in frequent], [tree.get(k, 0) for k in frequent]]
+    rows[0].append(n - sum(rows[0]))
+    rows[1].append(n - sum(rows[1]))
+    assert len(frequent) >= 3, "the test needs a distribution with several likely outcomes"
+    p_value = chi2_contingency(rows).pvalue
+    assert p_value > 1e-3, (p_value, rows)
+
+
+def test_abort_and_malformed_requests_leave_the_server_serving(servers):
+    tree = servers["tree"]
+    for bad in ({"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+                {"text": "hi", "sampling_params": {"temperature": -2}}):
+        assert 400 <= tree.post("/generate", bad).status_code < 500
+    r = requests.post(tree.url + "/generate", data=b"{oops", headers={"Content-Type": "application/json"},
+                      timeout=30)
+    assert 400 <= r.status_code < 500
+    # Streaming requests dropped mid-generation by the client are aborted by the server.
+    text = prompts.gsm8k("test")[30]["question"]
+    for _ in range(3):
+        with requests.post(tree.url + "/generate", stream=True, timeout=120,
+                           json={"text": text, "stream": True,
+                                 "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as resp:
+            next(resp.iter_lines())
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    assert tree.generate({"text": text, "sampling_params": sampling})["output_ids"] == \
+        servers["plain"].generate({"text": text, "sampling_params": sampling})["output_ids"]
+
+
+def _used_tokens(server) -> int:
+    loads = requests.get(server.url + "/v1/loads", timeout=30).json()["loads"]
+    return sum(entry["num_used_tokens"] for entry in loads)
+
+
+def test_no_kv_leak_after_load(servers):
+    """After 200 requests (with aborts) and a cache flush, the token pool is as free as at the start."""
+    tree = servers["tree"]
+    texts = [r["question"] for r in prompts.gsm8k("test")[40:90]]
+    sampling = {"max_new_tokens": 6, "temperature": 0.8, "ignore_eos": True}
+    items = [{"text": texts[i % len(texts)] + f" ({i})"} for i in range(200)]
+    with cf.ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda it: tree.generate({**it, "sampling_params": sampling}), items))
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        requests.post(tree.url + "/flush_cache", timeout=30)
+        if _used_tokens(tree) == 0:
+            break
+        time.sleep(1)
+    assert _used_tokens(tree) == 0
