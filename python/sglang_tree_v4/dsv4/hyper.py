@@ -27,9 +27,10 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             comb = comb / (comb.sum(-1, keepdim=True) + eps)
             comb = comb / (comb.sum(-2, keepdim=True) + eps)
         return comb
+    e = torch.full((), eps, dtype=comb.dtype, device=comb.device)  # a tensor: no per-op scalar wrapping
     for _ in range(iters - 1):
-        comb.div_(comb.sum(-1, keepdim=True).add_(eps))
-        comb.div_(comb.sum(-2, keepdim=True).add_(eps))
+        comb.div_(comb.sum(-1, keepdim=True).add_(e))
+        comb.div_(comb.sum(-2, keepdim=True).add_(e))
     return comb
 
 
