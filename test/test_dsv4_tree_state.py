@@ -280,3 +280,18 @@ def test_fifty_rounds_of_greedy_speculation_reproduce_greedy_decoding(hca8):
         want = [greedy_at(b, i) for i in range(len(emitted[b]))]
         assert emitted[b] == want, f"request {b} diverged"
     assert accepted_total > 50  # the drafter's tokens were actually accepted along tree paths
+
+
+def test_parents_from_ancestor_mask_roundtrip():
+    from sglang_tree_v4.dsv4.tree_state import parents_from_ancestor_mask
+    rng = random.Random(0)
+    shapes = [chain(9), star(16), kary(2, 3), rand_tree(16, 8, rng), rand_tree(5, 2, rng)]
+    _, par, nn = pack(shapes, rng)
+    depth, path = tree_paths(par, nn)
+    D = par.shape[1]
+    mask = torch.zeros(len(shapes), D, D, dtype=torch.bool)
+    for b in range(len(shapes)):
+        for n in range(int(nn[b])):
+            for j in range(int(depth[b, n]) + 1):
+                mask[b, n, path[b, n, j]] = True
+    assert torch.equal(parents_from_ancestor_mask(mask), par)

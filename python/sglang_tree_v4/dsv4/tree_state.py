@@ -56,6 +56,16 @@ def tree_paths(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Te
     return depth, path
 
 
+def parents_from_ancestor_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Ancestors-or-self masks ``[B, D, D]`` (SGLang's tree ``custom_mask`` restricted to the draft columns; nodes
+    in topological order) -> parents ``[B, D]``. Along a root-to-node chain indices increase, so a node's parent
+    is its largest-index strict ancestor; -1 for roots and all-false (padding) rows."""
+    D = mask.shape[-1]
+    strict = mask.bool() & ~torch.eye(D, dtype=torch.bool, device=mask.device)
+    idx = torch.arange(D, device=mask.device)
+    return torch.where(strict.any(-1), torch.where(strict, idx, -1).amax(-1), -1)
+
+
 @dataclass
 class VerifyBatch:
     """The flattened verify forward plus what is needed to unflatten it."""
