@@ -95,6 +95,11 @@ def _compress_entries_kernel(
     tl.store(out_row + 1, y_o.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
+def launch_config(width: int, n_slots: int) -> tuple[int, int, int]:
+    """(BLOCK_R slots per step, BLOCK_P channel pairs, num_warps) for C = width channels and R = n_slots."""
+    return min(8, max(2, triton.next_power_of_2(n_slots))), max(16, triton.next_power_of_2(width // 2)), 4
+
+
 def compress_entries_triton(
     kv_store: torch.Tensor,
     score_store: torch.Tensor,
@@ -130,8 +135,7 @@ def compress_entries_triton(
         rope_pairs = 0
 
     n_pairs = width // 2
-    block_p = max(16, triton.next_power_of_2(n_pairs))
-    block_r = min(8, max(2, triton.next_power_of_2(n_slots)))
+    block_r, block_p, num_warps = launch_config(width, n_slots)
     _compress_entries_kernel[(n_entries,)](
         kv_store, kv_store.stride(0), kv_store.stride(1),
         score_store, score_store.stride(0), score_store.stride(1),
@@ -142,6 +146,6 @@ def compress_entries_triton(
         out, out.stride(0),
         n_slots, n_pairs, n_pairs - rope_pairs, float(eps),
         HAS_ROPE=has_rope, BLOCK_R=block_r, BLOCK_P=block_p,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

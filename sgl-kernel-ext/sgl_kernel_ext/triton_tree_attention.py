@@ -159,6 +159,14 @@ def _merge_splits_kernel(
     )
 
 
+def launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_T, BLOCK_D, num_warps). BLOCK_H = 16 because tl.dot needs 16 rows (fewer heads are masked);
+    larger row tiles make ptxas spill for sm_90 at head 512 or with fp32 dots (test_kernels_compile checks)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_t = 16 if block_d > 256 or dtype == torch.float32 else 32
+    return 16, block_t, block_d, 8 if block_d >= 256 else 4
+
+
 def _auto_splits(device: torch.device, programs: int, n_tiles: int) -> int:
     """Enough splits to give every SM about two programs, never a split under two tiles; 1 off-GPU."""
     if device.type != "cuda" or n_tiles < 4:
@@ -195,9 +203,7 @@ def tree_sparse_attention_triton(
     idx_b = idx_b if idx_b.stride(-1) == 1 or idx_b.shape[1] == 0 else idx_b.contiguous()
     sink = sink.float().contiguous()
 
-    block_h = 16  # tl.dot needs at least 16 rows; fewer heads are masked
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_t = 16 if block_d > 256 else 32
+    block_h, block_t, block_d, num_warps = launch_config(head_dim, q.dtype)
     head_blocks = triton.cdiv(num_heads, block_h)
     total = idx_a.shape[1] + idx_b.shape[1]
     n_tiles = triton.cdiv(total, block_t)
@@ -213,7 +219,6 @@ def tree_sparse_attention_triton(
         part_acc = torch.empty((n_nodes, num_splits, num_heads, head_dim), dtype=torch.float32, device=q.device)
     else:
         part_ml = part_acc = sink  # never touched
-    num_warps = 8 if block_d >= 256 else 4
     _tree_sparse_attention_kernel[(n_nodes, head_blocks, num_splits)](
         q, q.stride(0), q.stride(1), q.stride(2),
         kv_a, kv_a.stride(0), kv_a.stride(1), idx_a, idx_a.stride(0), idx_a.shape[1],
