@@ -120,3 +120,13 @@ def test_store_over_external_per_layer_buffers(case):
                                               torch.zeros(1, dtype=torch.long), torch.tensor([n])))
     with torch.no_grad():
         assert rel_err(ours(nxt, store).logits, ref[n:n + 1]) <= TOL
+
+
+def test_empty_batch():
+    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
+    ours = ours_from_hf(build_hf(8, seed=1))
+    e = torch.zeros(0, dtype=torch.long)
+    fb = ForwardBatch(e, e, e, SlotTable(torch.zeros(1, 4, dtype=torch.long), e, e, torch.zeros(0, 0, dtype=torch.long)))
+    with torch.no_grad():
+        out = ours(fb, ours.new_store(4))
+    assert out.logits.shape == (0, ours.cfg.vocab_size) and out.streams.shape == (0, 4, ours.cfg.hidden_size)

@@ -85,8 +85,8 @@ class Attention(nn.Module):
         o = sink_attention(q, keys, visible, self.attn_sink, hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
         g = self.cfg.o_groups
-        wa = self.wo_a.weight.view(g, -1, o.shape[1] * hd // g)
-        o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, -1), wa).flatten(1)
+        wa = self.wo_a.weight.view(g, -1, H * hd // g)
+        o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, H * hd // g), wa).flatten(1)
         return self.wo_b(o)
 
 

@@ -68,6 +68,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = idx.shape
+        if n == 0:
+            return torch.zeros_like(x)
         if n * k <= 8:  # decode-sized: per (token, expert) pair on weight views, no weight gather
             rows = []
             for t, (es, ws) in enumerate(zip(idx.tolist(), w.unbind(0))):
