@@ -130,3 +130,19 @@ def test_empty_batch():
     with torch.no_grad():
         out = ours(fb, ours.new_store(4))
     assert out.logits.shape == (0, ours.cfg.vocab_size) and out.streams.shape == (0, 4, ours.cfg.hidden_size)
+
+
+def test_bf16_runs_and_mostly_agrees():
+    """Low precision is not tuned (HF keeps HC/norms/sinks in fp32), but it must run end to end with a bf16 store."""
+    hf = build_hf(8, seed=2)
+    ids = _ids(40, seed=3)
+    ref = hf_logits(hf, ids)
+    ours = ours_from_hf(hf, with_mtp=True).to(torch.bfloat16)
+    r = DSV4Runner(ours, num_slots=128)
+    rid = r.add_request()
+    out = r.extend([rid], [ids[:39]])[0]
+    dec = r.decode([rid], [int(ids[39])])[0]
+    got = torch.cat([out.logits, dec.logits]).float()
+    assert got.dtype == torch.float32 and r.store.buffers[0].dtype == torch.bfloat16
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.7
+    assert r.mtp_extend([rid], [ids[1:40]], [out.streams])[0].logits.shape == (39, ours.cfg.vocab_size)

@@ -71,7 +71,7 @@ class Attention(nn.Module):
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
         win_slots = fb.memo(("window", W), lambda: fb.table.lookup(
             fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)))
-        keys = store.read(layer, "k", win_slots)  # [N, W, hd]
+        keys = store.read(layer, "k", win_slots).to(q.dtype)  # [N, W, hd]
         visible = win_slots >= 0
         if self.compressor is not None:
             r = self.ratio
@@ -80,7 +80,7 @@ class Attention(nn.Module):
                 ent_slots = torch.where(ok, fb.memo(("entries", r), lambda: _entry_slots(fb, r)).gather(1, idx), -1)
             else:
                 ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
-            keys = torch.cat([keys, store.read(layer, "entry", ent_slots)], dim=1)
+            keys = torch.cat([keys, store.read(layer, "entry", ent_slots).to(q.dtype)], dim=1)
             visible = torch.cat([visible, ent_slots >= 0], dim=1)
         o = sink_attention(q, keys, visible, self.attn_sink, hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])

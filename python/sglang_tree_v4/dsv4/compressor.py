@@ -47,15 +47,15 @@ class Compressor(nn.Module):
         if closers.numel() == 0:
             return
         p = fb.positions[closers]
-        rows_kv = store.read(layer, kv, slots)  # [M, span, width]
-        rows_s = store.read(layer, score, slots)
+        rows_kv = store.read(layer, kv, slots).float()  # [M, span, width]; pooled in fp32
+        rows_s = store.read(layer, score, slots).float()
         if self.overlap:
             kv_w = torch.cat([rows_kv[:, :r, :d], rows_kv[:, r:, d:]], dim=1)
             s_w = torch.cat([rows_s[:, :r, :d] + self.ape[:, :d], rows_s[:, r:, d:] + self.ape[:, d:]], dim=1)
         else:
             kv_w, s_w = rows_kv, rows_s + self.ape
         s_w = s_w.masked_fill((slots < 0).unsqueeze(-1), float("-inf"))
-        w = torch.softmax(s_w.float(), dim=1).to(kv_w.dtype)
+        w = torch.softmax(s_w, dim=1)
         e = (p + 1) // r - 1
         ent = self.norm((kv_w * w).sum(1))
         cos, sin = rope.cos_sin(e * r)
@@ -96,7 +96,7 @@ class Indexer(nn.Module):
         cand = torch.arange(emax, device=x.device).expand(n, emax)
         cvalid = cand < n_vis[:, None]
         cslots = fb.memo(("entries", 4), lambda: torch.where(cvalid, fb.table.lookup(cand * 4 + 3), -1))
-        keys = store.read(layer, "ientry", cslots)  # [N, E, ihd]
+        keys = store.read(layer, "ientry", cslots)  # [N, E, ihd] (scored in fp32)
         q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
         q = rope.rotate(q, cos[:, None], sin[:, None])
         s = torch.relu(torch.einsum("nhd,ned->nhe", q.float(), keys.float())) * self.head_dim ** -0.5

@@ -55,11 +55,11 @@ class Rope:
         """Rotate the trailing ``rope_dim`` channels of ``x [..., H?, D]``; cos/sin are ``[..., rope_dim/2]`` and
         broadcast over any head axis the caller inserts (pass them already unsqueezed)."""
         rd = self.rope_dim
-        nope, rope = x[..., :-rd], x[..., -rd:]
+        nope, rope = x[..., :-rd], x[..., -rd:].float()  # rotate in fp32, return in x's dtype
         even, odd = rope[..., 0::2], rope[..., 1::2]
         r_even = even * cos - odd * sin
         r_odd = odd * cos + even * sin
-        return torch.cat([nope, torch.stack([r_even, r_odd], dim=-1).flatten(-2)], dim=-1)
+        return torch.cat([nope, torch.stack([r_even, r_odd], dim=-1).flatten(-2).to(x.dtype)], dim=-1)
 
 
 def ropes_for(cfg: DSV4Config) -> dict[str, Rope]:
