@@ -31,28 +31,25 @@ def main() -> None:
     ours = ours_from_hf(hf)
     prompt = torch.randint(0, 512, (args.prompt,), generator=torch.Generator().manual_seed(0))
 
+    # ours and HF decode in lockstep (one step each, alternating) so both see the same machine load
+    from transformers import DynamicCache
     r = DSV4Runner(ours, num_slots=args.prompt + args.steps + 8)
     rid = r.add_request()
-    tok = int(r.extend([rid], [prompt])[0].logits[-1].argmax())
-    ours_ms, ours_toks = [], []
+    tok_o = int(r.extend([rid], [prompt])[0].logits[-1].argmax())
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        tok_h = int(hf(prompt[None], past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+    ours_ms, hf_ms, ours_toks, hf_toks = [], [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        tok = int(r.decode([rid], [tok])[0].logits[-1].argmax())
+        tok_o = int(r.decode([rid], [tok_o])[0].logits[-1].argmax())
         ours_ms.append((time.perf_counter() - t0) * 1e3)
-        ours_toks.append(tok)
-
-    from transformers import DynamicCache
-    hf_ms, hf_toks = [], []
-    with torch.no_grad():
-        cache = DynamicCache(config=hf.config)
-        out = hf(prompt[None], past_key_values=cache, use_cache=True)
-        tok = int(out.logits[0, -1].argmax())
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            out = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            tok = int(out.logits[0, -1].argmax())
-            hf_ms.append((time.perf_counter() - t0) * 1e3)
-            hf_toks.append(tok)
+        ours_toks.append(tok_o)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            tok_h = int(hf(torch.tensor([[tok_h]]), past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+        hf_ms.append((time.perf_counter() - t0) * 1e3)
+        hf_toks.append(tok_h)
 
     mo, mh = statistics.median(ours_ms), statistics.median(hf_ms)
     print(f"config: 6 layers [S,S,CSA,HCA{args.hca},CSA,HCA{args.hca}], hidden 256, fp32, threads {args.threads}, "
