@@ -1,6 +1,5 @@
 """MTP drafting over a tree: per-node draft logits equal drafting each path alone, committed MTP state untouched,
 and a full draft -> verify -> commit -> refresh loop reproduces greedy decoding."""
-import random
 
 import torch
 

@@ -13,7 +13,7 @@ import glob
 import json
 import os
 import re
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -225,5 +225,5 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
         json.dump(model.cfg.to_deepseek_dict(), f, indent=1)
 
 
-__all__: Iterable[str] = ["load_model", "load_state", "convert_state", "save_checkpoint", "deepseek_state",
+__all__ = ["load_model", "load_state", "convert_state", "save_checkpoint", "deepseek_state",
                           "read_safetensors", "to_internal", "to_deepseek", "CheckpointError", "dequantize"]
