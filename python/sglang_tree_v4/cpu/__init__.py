@@ -9,7 +9,10 @@ What it does, in order, in every SGLang process (the plugin entry point runs in 
 3. registers pure-torch versions of the sgl_kernel CPU ops speculation needs (``kernel_ops``);
 4. gives the torch_native attention backend target verification with a tree mask
    (``torch_native_verify``);
-5. defaults the KV pool to a fixed token budget instead of a fraction of RAM (``server_defaults``).
+5. defaults the KV pool to a fixed token budget instead of a fraction of RAM (``server_defaults``);
+6. runs torch single-threaded unless the user chose threads (``OMP_NUM_THREADS`` or SGLang's per-rank core binding):
+   SGLang's server is several busy processes, and OpenMP threads competing with them for a few cores were an order
+   of magnitude slower than one thread on the small models a CPU serves.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def activate() -> bool:
     for key, value in _CPU_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     _refresh_launcher_cpu_flags()
+    if "OMP_NUM_THREADS" not in os.environ and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
 
     from . import driver_stub, kernel_ops, server_defaults, torch_native_verify
 
