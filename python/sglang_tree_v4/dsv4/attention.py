@@ -15,6 +15,7 @@ concatenated, projected to hidden (wo_b).
 from __future__ import annotations
 
 import torch
+from sgl_kernel_ext import ops
 from torch import nn
 
 from .compressor import Compressor, Indexer
@@ -71,18 +72,17 @@ class Attention(nn.Module):
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
         win_slots = fb.memo(("window", W), lambda: fb.table.lookup(
             fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)))
-        keys = store.read(layer, "k", win_slots).to(q.dtype)  # [N, W, hd]
-        visible = win_slots >= 0
+        ent_store = ent_slots = None
         if self.compressor is not None:
             r = self.ratio
+            ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             if self.indexer is not None:
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
-                ent_slots = torch.where(ok, fb.memo(("entries", r), lambda: _entry_slots(fb, r)).gather(1, idx), -1)
-            else:
-                ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
-            keys = torch.cat([keys, store.read(layer, "entry", ent_slots).to(q.dtype)], dim=1)
-            visible = torch.cat([visible, ent_slots >= 0], dim=1)
-        o = sink_attention(q, keys, visible, self.attn_sink, hd ** -0.5)
+                ent_slots = torch.where(ok, ent_slots.gather(1, idx), -1)
+            ent_store = store.view(layer, "entry")
+        # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
+        o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_slots, ent_store, ent_slots,
+                                      self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
         g = self.cfg.o_groups
         wa = self.wo_a.weight.view(g, -1, H * hd // g)
@@ -96,15 +96,3 @@ def _entry_slots(fb: ForwardBatch, r: int) -> torch.Tensor:
     emax = int(counts.max()) if counts.numel() else 0
     e = torch.arange(emax, device=fb.positions.device).expand(len(counts), emax)
     return torch.where(e < counts[:, None], fb.table.lookup(e * r + r - 1), -1)
-
-
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """q [N, H, d], kv [N, K, d] (keys = values), visible [N, K] -> [N, H, d]. Softmax over the visible keys
-    plus one sink logit per head whose probability mass is dropped."""
-    logits = torch.einsum("nhd,nkd->nhk", q, kv) * scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
-    p = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("nhk,nkd->nhd", p, kv)
-

@@ -17,6 +17,7 @@ siblings' versions of the same entry differ -- and for positions before the tree
 from __future__ import annotations
 
 import torch
+from sgl_kernel_ext import ops
 from torch import nn
 
 from .norm import RMSNorm
@@ -47,19 +48,16 @@ class Compressor(nn.Module):
         if closers.numel() == 0:
             return
         p = fb.positions[closers]
-        rows_kv = store.read(layer, kv, slots).float()  # [M, span, width]; pooled in fp32
-        rows_s = store.read(layer, score, slots).float()
-        if self.overlap:
-            kv_w = torch.cat([rows_kv[:, :r, :d], rows_kv[:, r:, d:]], dim=1)
-            s_w = torch.cat([rows_s[:, :r, :d] + self.ape[:, :d], rows_s[:, r:, d:] + self.ape[:, d:]], dim=1)
+        if self.overlap:  # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves
+            col_off = torch.tensor([0] * r + [d] * r, device=p.device)
+            ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
         else:
-            kv_w, s_w = rows_kv, rows_s + self.ape
-        s_w = s_w.masked_fill((slots < 0).unsqueeze(-1), float("-inf"))
-        w = torch.softmax(s_w, dim=1)
-        e = (p + 1) // r - 1
-        ent = self.norm((kv_w * w).sum(1))
-        cos, sin = rope.cos_sin(e * r)
-        store.write(layer, entry, fb.out_slots[closers], rope.rotate(ent, cos, sin))
+            col_off, ape = torch.zeros(r, dtype=torch.long, device=p.device), self.ape
+        cos, sin = rope.cos_sin(((p + 1) // r - 1) * r)  # RoPE at the entry's first position
+        # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
+        ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), slots, col_off, ape,
+                                   self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
+        store.write(layer, entry, fb.out_slots[closers], ent)
 
 
 def _closer_rows(fb: ForwardBatch, r: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:

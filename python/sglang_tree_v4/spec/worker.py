@@ -32,7 +32,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
-from ..tree import SamplingParams, build_draft_tree, verify_greedy, verify_sampling
+from ..tree import SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from .mtp_drafter import MTPTreeDrafter, catch_up
 from .server_args import TreeBudget
 from .tp_sync import broadcast_verdict
@@ -136,7 +136,18 @@ class TreeV4Worker(BaseSpecWorker):
             return verify_greedy(tree, logits)
         params = SamplingParams(temperatures=info.temperatures.flatten().float(), top_ks=info.top_ks.long(),
                                 top_ps=info.top_ps.float(), min_ps=info.min_ps.float())
-        return verify_sampling(tree, logits, params, generator=self.generator)
+        return verify_sampling(tree, logits, params, coins=self._coins(batch, tree.tokens.shape[1]))
+
+    def _coins(self, batch, width: int) -> VerifyCoins:
+        """Random numbers of this verify step. A request with ``sampling_seed`` draws its own from (seed, committed
+        length), so the same seed reproduces the same output; the others share the worker's generator."""
+        shared = VerifyCoins.draw(len(batch.reqs), width, self.generator, self.device)
+        for row, (req, length) in enumerate(zip(batch.reqs, batch.seq_lens.tolist())):
+            seed = req.sampling_params.sampling_seed
+            if seed is not None:
+                own = VerifyCoins.draw(1, width, torch.Generator().manual_seed(seed * 1_000_003 + length))
+                shared.accept[row], shared.bonus[row] = own.accept[0].to(self.device), own.bonus[0].to(self.device)
+        return shared
 
     def _decode_round(self, batch, on_publish):
         bs, D = len(batch.reqs), self.budget.draft_tokens
