@@ -92,7 +92,7 @@ def test_bucketed_top_p_matches_reference_and_leaves_crowded_buckets_to_the_sort
     logits[3] = 0.0  # uniform: one bucket of 3000 tokens
     logits[7] = -5.0
     logits[7, 500:2500] = 0.0  # 2000 tied tokens on top
-    top_ps = torch.tensor([0.5, 0.9, 0.99, 0.7, 0.3, 0.95, 0.8, 0.6, 0.999, 0.2, 0.9, 0.75])
+    top_ps = torch.tensor([0.5, 0.9, 0.99, 0.7123, 0.3, 0.95, 0.8, 0.6, 0.999, 0.2, 0.9, 0.75])  # 0.7123: off k/3000
     probs = torch.softmax(logits, dim=-1)
     out = torch.full_like(probs, -1.0)
     solved = _top_p_by_buckets(out, probs, torch.arange(12), top_ps, max_boundary=1000)
@@ -128,3 +128,15 @@ def test_bucketed_top_p_ranks_the_crossing_bucket_exactly(shift):
         want = reference_row(logits[r], 1.0, -1, top_ps[r].item(), 0.0)
         assert torch.equal(out[r] > 0, want > 0), f"row {r}"
         torch.testing.assert_close(out[r].double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_large_vocabulary_rows_through_every_path():
+    """Rows decided by the candidates, by the buckets and by the full sort, in one call on a large vocabulary."""
+    from sglang_tree_v4.tree.target_distribution import BUCKETS_FROM_VOCAB
+
+    vocab = BUCKETS_FROM_VOCAB + 123
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[0, 7] += 12.0  # peaked: the top candidates decide
+    grid = [(1.0, -1, 0.9, 0.0), (1.0, -1, 0.9, 0.0), (0.7, -1, 0.5, 0.02), (1.0, 5000, 0.95, 0.0), (1.2, -1, 1.0, 0.0)]
+    run_grid(logits, grid, (64, 1024))

@@ -14,9 +14,14 @@ Greedy requests (``temperature <= 1e-6`` or ``top_k == 1``, which SGLang maps to
 first argmax of the raw logits. Ties at a top-k / top-p cutoff are broken by lower token id (SGLang's sort leaves
 them unspecified; for continuous logits they do not occur).
 
+Other SGLang paths differ and are not followed: its FlashInfer sampler, when min-p is active, renormalises after
+top-k before applying top-p, and its EAGLE verifier applies top-k then top-p sequentially and ignores min-p.
+
 Sorting a whole 129k vocabulary row is slow on a CPU, so the cutoff is found among the ``topk(cap)`` candidates of
-growing caps, and a row falls back to a full sort only when no cap decides it (top-p mass not reached inside the
-candidates, or a tie across the candidate boundary); every way keeps the same tokens.
+growing caps; rows no cap decides (top-p mass not reached inside the candidates, or a tie across the candidate
+boundary) and without top-k go, for large vocabularies, through probability buckets (only the bucket where the mass crosses top_p is
+ranked), and only what remains is fully sorted. Every way keeps the same tokens, up to float rounding of the
+running mass right at the cutoff.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import torch
 
 GREEDY_TEMPERATURE = 1e-6
 """Temperatures at or below this are greedy (SGLang uses the same epsilon)."""
+
+BUCKETS_FROM_VOCAB = 16384
+"""Vocabularies at least this large use probability buckets for top-p; smaller rows are cheaper to sort."""
 
 
 @dataclass
@@ -78,7 +86,7 @@ def target_probs(
     """Processed target distribution of each row: ``logits [N, V]`` -> float32 ``[N, V]`` summing to 1.
 
     ``params`` has one entry per row. ``candidate_caps`` only tunes speed (how many top candidates are tried, in
-    turn, before a row falls back to a full sort); the kept tokens do not depend on it.
+    turn, before the slower paths); the kept tokens do not depend on it.
     """
     n, vocab = logits.shape
     greedy = params.is_greedy()
@@ -130,7 +138,7 @@ def _top_k_top_p(
             _scatter_cutoff(out, rows, values.gather(1, order), by_id.gather(1, order), top_ks[rows], top_ps[rows])
         pending = pending[~decided]
     top_p_only = top_ks[pending] >= vocab
-    if bool(top_p_only.any()):
+    if vocab >= BUCKETS_FROM_VOCAB and bool(top_p_only.any()):
         rows = pending[top_p_only]
         solved = _top_p_by_buckets(out, probs, rows, top_ps[rows])
         pending = torch.cat([pending[~top_p_only], rows[~solved]])
