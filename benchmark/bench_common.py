@@ -1,0 +1,68 @@
+"""What every benchmark script shares: the grid's shape rule, the JSONL record contract and run provenance.
+
+Why one place: the sweep writes records, the plots, the cost model and the schema test read them; the tree shape
+chosen for each budget and the meaning of each field must not drift between them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASETS = ("gsm8k", "mbpp", "sharegpt")
+BUDGETS = (5, 6, 7, 8)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SHAPES = ("tree", "chain", "none")
+
+# Record fields and their JSON types. budget = tokens verified per request per target pass (root included), so
+# "no speculation" is budget 1 with topk 0 and num_steps 0.
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "dataset": (str,), "budget": (int,), "batch_size": (int,), "shape": (str,), "topk": (int,),
+    "num_steps": (int,), "accept_length": (float, int), "output_throughput": (float, int),
+    "mean_step_ms": (float, int), "num_requests": (int,), "output_tokens": (int,), "model": (str,),
+    "device": (str,), "sglang_version": (str,), "git_commit": (str,),
+}
+
+
+def tree_shape(budget: int) -> tuple[int, int]:
+    """(topk K, depth S) of the grid's tree at budget D: K = min(4, D-1), S = ceil(D/2).
+
+    The dynamic tree drafts S levels keeping the K best nodes per level, then keeps the D-1 most probable nodes.
+    S = ceil(D/2) leaves about half the budget for side branches while still letting one path reach depth S; K = 4
+    gives the rerank enough siblings to pick from at these budgets (EAGLE-2's rerank rarely keeps a 5th sibling
+    of a low-entropy draft). D=8 gives K=4, S=4, the shipped default; the D=8 shape table in RESULTS.md checks it.
+    """
+    return min(4, budget - 1), math.ceil(budget / 2)
+
+
+def chain_shape(budget: int) -> tuple[int, int]:
+    """The matched linear chain: one branch, depth D-1 (same number of verified tokens as the tree)."""
+    return 1, budget - 1
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - provenance only
+        return "unknown"
+
+
+def load_records(path: Path | str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def record_key(r: dict) -> tuple:
+    """Identity of one grid point (used to resume a sweep and to pair tree with chain)."""
+    return (r["dataset"], r["budget"], r["batch_size"], r["shape"], r["topk"], r["num_steps"])

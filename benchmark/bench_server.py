@@ -1,0 +1,151 @@
+"""One SGLang server per speculative configuration, and one measured grid point against it.
+
+Why a real server: users meet TREE_V4 through ``python -m sglang.launch_server``; measuring through it includes the
+scheduler, batching and HTTP path they get. Batch size is emulated as SGLang's benchmarks do, as the number of
+requests in flight (``--max-concurrency``). Each request streams so that its first-token time is known; its final
+``meta_info`` gives completion tokens and target verify passes, so no server counter (cumulative) is needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+_INHERITED_SGLANG_VARS = ("SGLANG_USE_CPU_ENGINE",)  # the plugin sets these itself; a stale value must not leak in
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        """Stop the launcher and every process it spawned (its own process group)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:
+    """launch_server flags for a shape; topk 0 means no speculation."""
+    if topk == 0:
+        return []
+    return ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", str(budget),
+            "--speculative-eagle-topk", str(topk), "--speculative-num-steps", str(num_steps)]
+
+
+def start(model: str, device: str, extra: list[str], log: Path, timeout: float = 600) -> Server:
+    """Launch a server and wait until /health answers; on failure stop it and raise with the log tail."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+           "--port", str(port), "--device", device, *extra]
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_SGLANG_VARS}
+    out = open(log, "w")
+    out.write("$ " + " ".join(cmd) + "\n")
+    out.flush()
+    server = Server(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True),
+                    f"http://127.0.0.1:{port}", log)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(server.url + "/health", timeout=5).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    server.stop()
+    raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
+
+
+def _one_request(url: str, text: str, sampling: dict) -> dict:
+    """Stream one /generate request; -> {completion_tokens, verify_ct, ttft_s, e2e_s}."""
+    t0 = time.perf_counter()
+    ttft, meta = None, None
+    with requests.post(url + "/generate", json={"text": text, "sampling_params": sampling, "stream": True},
+                       stream=True, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            body = line[5:].strip()
+            if body == b"[DONE]":
+                break
+            chunk = json.loads(body)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            meta = chunk["meta_info"]
+    e2e = time.perf_counter() - t0
+    if meta is None:
+        raise RuntimeError("empty stream")
+    return {"completion_tokens": int(meta["completion_tokens"]), "verify_ct": int(meta.get("spec_verify_ct") or 0),
+            "ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e}
+
+
+def flush_cache(server: Server) -> None:
+    """Drop the radix cache so a point's prefill cost does not depend on which points ran before it."""
+    try:
+        requests.post(server.url + "/flush_cache", timeout=60)
+    except requests.RequestException:
+        pass
+
+
+def measure(server: Server, texts: list[str], batch_size: int, sampling: dict) -> dict:
+    """Run ``texts`` with ``batch_size`` requests in flight; -> the point's metrics.
+
+    accept_length: mean over requests of completion_tokens / target verify passes (accepted drafts + the bonus
+    token per pass; 1.0 without speculation). mean_step_ms: mean over requests of the decode time after the first
+    token divided by the decode passes the request needed (verify passes, or completion_tokens - 1 without
+    speculation), i.e. the wall time of one batched target step as one request saw it.
+    """
+    flush_cache(server)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=batch_size) as pool:
+        results = list(pool.map(lambda t: _one_request(server.url, t, sampling), texts))
+    wall = time.perf_counter() - t0
+    accept, steps_ms, tpot_ms = [], [], []
+    for r in results:
+        passes = r["verify_ct"] if r["verify_ct"] > 0 else max(r["completion_tokens"] - 1, 1)
+        accept.append(r["completion_tokens"] / r["verify_ct"] if r["verify_ct"] > 0 else 1.0)
+        decode_s = max(r["e2e_s"] - r["ttft_s"], 0.0)
+        steps_ms.append(1e3 * decode_s / passes)
+        tpot_ms.append(1e3 * decode_s / max(r["completion_tokens"] - 1, 1))
+    out_tokens = sum(r["completion_tokens"] for r in results)
+    return {
+        "accept_length": statistics.fmean(accept),
+        "output_throughput": out_tokens / wall,
+        "mean_step_ms": statistics.fmean(steps_ms),
+        "num_requests": len(results),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "median_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in results),
+        "mean_tpot_ms": statistics.fmean(tpot_ms),
+        "verify_passes": sum(r["verify_ct"] for r in results),
+    }

@@ -1,0 +1,138 @@
+"""Tree vs matched chain vs no speculation over datasets x budgets x batch sizes, against real SGLang servers.
+
+    python benchmark/sweep.py [--quick] [--datasets gsm8k mbpp sharegpt] [--budgets 5 6 7 8]
+        [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
+        [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8] [--max-new-tokens 64]
+        [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
+
+One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
+the per-request ``meta_info`` counts make restarts unnecessary. Each point sends ``num_prompts`` prompts (default
+max(batch size, --min-prompts)) with ``batch_size`` requests in flight, greedy (temperature 0) and ignoring EOS so
+every request decodes ``--max-new-tokens`` tokens, as SGLang's own benchmarks do. One JSONL line per point (fields:
+``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short run keeps its points.
+The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402
+import bench_prompts  # noqa: E402
+import bench_server  # noqa: E402
+
+QUICK = {"datasets": ["gsm8k"], "budgets": [6], "batch_sizes": [1, 4], "min_prompts": 4, "max_new_tokens": 16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=str(bc.ROOT / "models" / "tiny-v4"))
+    ap.add_argument("--datasets", nargs="+", choices=bc.DATASETS, default=list(bc.DATASETS))
+    ap.add_argument("--budgets", nargs="+", type=int, default=list(bc.BUDGETS))
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=list(bc.BATCH_SIZES))
+    ap.add_argument("--shapes", nargs="+", choices=bc.SHAPES, default=list(bc.SHAPES))
+    ap.add_argument("--tree-shapes", nargs="+", default=None, metavar="K:S",
+                    help="explicit tree shapes instead of the per-budget rule (each run at every budget)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per point (default max(bs, min))")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
+    ap.add_argument("--device", default=None, help="launch_server --device (default: cuda if present, else cpu)")
+    ap.add_argument("--server-args", default="", help="extra launch_server flags, one quoted string")
+    ap.add_argument("--out", default=str(bc.ROOT / "benchmark" / "results" / "sweep.jsonl"))
+    ap.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    ap.add_argument("--resume", action="store_true", help="append, skipping points already in --out")
+    ap.add_argument("--quick", action="store_true",
+                    help="small grid (GSM8K, D=6, batch 1 and 4, 4 prompts, 16 tokens): a few minutes on a CPU")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(shape, budget, topk, num_steps) of each server to start, in run order."""
+    out = []
+    for d in args.budgets:
+        if "tree" in args.shapes:
+            shapes = [tuple(int(x) for x in s.split(":")) for s in args.tree_shapes] if args.tree_shapes else [
+                bc.tree_shape(d)]
+            out += [("tree", d, k, s) for k, s in shapes]
+        if "chain" in args.shapes:
+            out.append(("chain", d, *bc.chain_shape(d)))
+    if "none" in args.shapes:
+        out.append(("none", 1, 0, 0))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if args.resume and out_path.exists():
+        done = {bc.record_key(r) for r in bc.load_records(out_path)}
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sweep-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n_for = {bs: args.num_prompts or max(bs, args.min_prompts) for bs in args.batch_sizes}
+    texts = {ds: bench_prompts.chat_texts(args.model_path, ds, max(n_for.values())) for ds in args.datasets}
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "ignore_eos": not args.respect_eos}
+    provenance = {"model": Path(args.model_path).name, "device": args.device,
+                  "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
+                  "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                  "ignore_eos": not args.respect_eos}
+    configs = server_configs(args)
+    points = [(c, ds, bs) for c in configs for ds in args.datasets for bs in args.batch_sizes
+              if (ds, c[1], bs, c[0], c[2], c[3]) not in done]
+    failures = 0
+    bar = tqdm(total=len(points), desc="sweep", unit="pt")
+    with open(out_path, "a" if args.resume else "w") as out:
+        for cfg in configs:
+            todo = [(ds, bs) for c, ds, bs in points if c == cfg]
+            if not todo:
+                continue
+            shape, budget, topk, steps = cfg
+            bar.set_postfix_str(f"start {shape} D={budget} K={topk} S={steps}")
+            log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
+            server, measured = None, 0
+            try:
+                server = bench_server.start(args.model_path, args.device,
+                                            bench_server.spec_args(topk, steps, budget) + args.server_args.split(),
+                                            log)
+                bench_server.measure(server, texts[todo[0][0]][:1], 1, {**sampling, "max_new_tokens": 8})  # warm-up
+                for ds, bs in todo:
+                    bar.set_postfix_str(f"{shape} D={budget} {ds} bs={bs}")
+                    m = bench_server.measure(server, texts[ds][:n_for[bs]], bs, sampling)
+                    rec = {"dataset": ds, "budget": budget, "batch_size": bs, "shape": shape, "topk": topk,
+                           "num_steps": steps, **m, **provenance, "timestamp": time.time()}
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    bar.update(1)
+                    measured += 1
+            except Exception as e:  # noqa: BLE001 - one bad configuration must not lose the rest of the grid
+                failures += 1
+                tqdm.write(f"FAILED {shape} D={budget} K={topk} S={steps}: {e!r} (log: {log})")
+                bar.update(len(todo) - measured)
+            finally:
+                if server is not None:
+                    server.stop()
+    bar.close()
+    print(f"wrote {out_path} ({len(points)} points planned, {failures} server configurations failed)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
