@@ -139,15 +139,16 @@ class TreeV4Worker(BaseSpecWorker):
         return verify_sampling(tree, logits, params, coins=self._coins(batch, tree.tokens.shape[1]))
 
     def _coins(self, batch, width: int) -> VerifyCoins:
-        """Random numbers of this verify step. A request with ``sampling_seed`` draws its own from (seed, committed
-        length), so the same seed reproduces the same output; the others share the worker's generator."""
-        shared = VerifyCoins.draw(len(batch.reqs), width, self.generator, self.device)
-        for row, (req, length) in enumerate(zip(batch.reqs, batch.seq_lens.tolist())):
-            seed = req.sampling_params.sampling_seed
-            if seed is not None:
-                own = VerifyCoins.draw(1, width, torch.Generator().manual_seed(seed * 1_000_003 + length))
-                shared.accept[row], shared.bonus[row] = own.accept[0].to(self.device), own.bonus[0].to(self.device)
-        return shared
+        """Random numbers of this verify step. Where SGLang honours per-request seeds (deterministic inference,
+        ``sampling_info.sampling_seed`` set), each request draws from (seed, committed length), so a seed reproduces
+        its output; otherwise all share the worker's generator, as SGLang's sampler does."""
+        seeds = batch.sampling_info.sampling_seed
+        if seeds is None:
+            return VerifyCoins.draw(len(batch.reqs), width, self.generator, self.device)
+        rows = [VerifyCoins.draw(1, width, torch.Generator().manual_seed(int(seed) * 1_000_003 + length))
+                for seed, length in zip(seeds.tolist(), batch.seq_lens.tolist())]
+        return VerifyCoins(torch.cat([r.accept for r in rows]).to(self.device),
+                           torch.cat([r.bonus for r in rows]).to(self.device))
 
     def _decode_round(self, batch, on_publish):
         bs, D = len(batch.reqs), self.budget.draft_tokens
