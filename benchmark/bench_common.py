@@ -58,6 +58,17 @@ def sglang_version() -> str:
         return "unknown"
 
 
+def weights_digest(model_path: str | Path) -> str:
+    """First 12 hex digits of the SHA-256 of the checkpoint's safetensors files (which weights were measured)."""
+    import hashlib
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:12]
+
+
 def load_records(path: Path | str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

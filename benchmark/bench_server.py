@@ -60,8 +60,8 @@ def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:
             "--speculative-eagle-topk", str(topk), "--speculative-num-steps", str(num_steps)]
 
 
-def start(model: str, device: str, extra: list[str], log: Path, timeout: float = 600) -> Server:
-    """Launch a server and wait until /health answers; on failure stop it and raise with the log tail."""
+def launch(model: str, device: str, extra: list[str], log: Path) -> Server:
+    """Start a server in its own process group; returns at once (see ``wait_healthy``)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
            "--port", str(port), "--device", device, *extra]
@@ -69,8 +69,12 @@ def start(model: str, device: str, extra: list[str], log: Path, timeout: float =
     out = open(log, "w")
     out.write("$ " + " ".join(cmd) + "\n")
     out.flush()
-    server = Server(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True),
-                    f"http://127.0.0.1:{port}", log)
+    return Server(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True),
+                  f"http://127.0.0.1:{port}", log)
+
+
+def wait_healthy(server: Server, timeout: float = 600) -> Server:
+    """Wait until /health answers; on failure stop the server and raise with its log tail."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if server.process.poll() is not None:

@@ -17,10 +17,11 @@ Step time of one decode step for a batch of b requests at budget D:
     no speculation: step = verify(b, b), A = 1;  throughput = b * A / step
 
 A pass over N tokens costs ``overhead + max(bytes(N) / bandwidth, flops(N) / compute)`` (a roofline). The stated
-curve (``GpuAssumptions``) is DeepSeek-V4-Flash on 4 x H200 with tensor parallelism 4 (the public Hopper recipe):
-284B parameters, 13B active, 43 layers of 256 routed experts (top-6, hidden 4096, expert width 2048, FP4 weights run as
-W4A16 at the BF16 rate, since Hopper has no FP4 math) plus one shared expert and attention in FP8. Routed-expert bytes grow with the distinct experts N tokens touch,
-E * (1 - (1 - k/E)^N) per layer under uniform routing: this is why even at batch 1 a D=8 pass reads several
+curve (``GpuAssumptions``) is DeepSeek-V4-Flash on 4 x H200 with tensor parallelism 4 (the public Hopper
+recipe): 284B parameters, 13B active, 43 layers of 256 routed experts (top-6, hidden 4096, expert width 2048, FP4
+weights run as W4A16 at the BF16 rate, since Hopper has no FP4 math) plus one shared expert and attention in FP8.
+Routed-expert bytes grow with the distinct experts N tokens touch, E * (1 - (1 - k/E)^N) per layer under uniform
+routing: this is why even at batch 1 a D=8 pass reads several
 times the expert weights of a 1-token pass. These are public architecture numbers and datasheet peaks with an
 assumed efficiency, not measurements; ``--verify-curve`` replaces the verify cost by the per-layer curve that
 ``benchmark/gpu_verify_cost.py`` measures (scaled to 43 layers).

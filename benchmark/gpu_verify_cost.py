@@ -11,7 +11,8 @@ share a ``--context``-token prefix, for the matched chain and for an EAGLE-like 
 decoding (no speculation). One JSONL line per (shape, b, D): tokens = b*D, median_ms, layers, experts, ...
 
     python benchmark/gpu_verify_cost.py [--out benchmark/results/gpu_verify_cost.jsonl] [--quick]
-    python benchmark/cost_model.py benchmark/results/sweep_cpu.jsonl --verify-curve benchmark/results/gpu_verify_cost.jsonl
+    python benchmark/cost_model.py benchmark/results/sweep_cpu.jsonl \
+        --verify-curve benchmark/results/gpu_verify_cost.jsonl
 
 Without CUDA it says so and exits with status 2 (``--allow-cpu`` runs a tiny-shape smoke test of the code path).
 """

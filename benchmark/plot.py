@@ -36,8 +36,14 @@ def pooled_accept(records: list[dict]) -> dict[tuple[str, int, str], float]:
 
 
 def grid_records(records: list[dict]) -> list[dict]:
-    """Drop extra tree shapes (``--tree-shapes`` runs): keep the per-budget rule's tree, chains and no-spec."""
-    return [r for r in records if r["shape"] != "tree" or (r["topk"], r["num_steps"]) == bc.tree_shape(r["budget"])]
+    """One tree per point: where a file holds several tree shapes for the same (dataset, budget, batch size) (a
+    ``--tree-shapes`` run), keep the per-budget rule's (``bench_common.tree_shape``); chains and no-spec stay."""
+    shapes: dict[tuple, set] = defaultdict(set)
+    for r in records:
+        if r["shape"] == "tree":
+            shapes[(r["dataset"], r["budget"], r["batch_size"])].add((r["topk"], r["num_steps"]))
+    return [r for r in records if r["shape"] != "tree" or len(shapes[(r["dataset"], r["budget"], r["batch_size"])]) == 1
+            or (r["topk"], r["num_steps"]) == bc.tree_shape(r["budget"])]
 
 
 def plot_accept(records: list[dict], out: Path) -> Path:

@@ -6,9 +6,11 @@
         [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
-the per-request ``meta_info`` counts make restarts unnecessary. Each point sends ``num_prompts`` prompts (default
-max(batch size, --min-prompts)) with ``batch_size`` requests in flight, greedy (temperature 0) and ignoring EOS so
-every request decodes ``--max-new-tokens`` tokens, as SGLang's own benchmarks do. One JSONL line per point (fields:
+the per-request ``meta_info`` counts make restarts unnecessary. The servers of one budget (tree and chain) run
+side by side and each point is measured on one, then the other, so both see the same background load. Each point
+sends ``num_prompts`` prompts (default max(batch size, --min-prompts)) with ``batch_size`` requests in flight, greedy
+(temperature 0) and ignoring EOS so every request decodes ``--max-new-tokens`` tokens, as SGLang's own benchmarks
+do. One JSONL line per point (fields:
 ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short run keeps its points.
 The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
 """
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-args", default="", help="extra launch_server flags, one quoted string")
     ap.add_argument("--out", default=str(bc.ROOT / "benchmark" / "results" / "sweep.jsonl"))
     ap.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    ap.add_argument("--max-servers", type=int, default=2,
+                    help="servers of one budget run side by side (tree and chain measured alternately)")
     ap.add_argument("--resume", action="store_true", help="append, skipping points already in --out")
     ap.add_argument("--quick", action="store_true",
                     help="small grid (GSM8K, D=6, batch 1 and 4, 4 prompts, 16 tokens): a few minutes on a CPU")
@@ -77,6 +81,65 @@ def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def server_groups(configs: list[tuple], max_servers: int) -> list[list[tuple]]:
+    """Configurations that run side by side: same budget, at most ``max_servers`` at a time."""
+    groups: list[list[tuple]] = []
+    for c in configs:
+        if groups and groups[-1][0][1] == c[1] and len(groups[-1]) < max_servers:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: Path, out, bar) -> int:
+    """Start the group's servers together, then measure each point on each server in turn, so that the shapes
+    compared at a point see the same background load (the machine may be shared). -> failed configurations."""
+    servers: dict[tuple, bench_server.Server] = {}
+    failures = 0
+    try:
+        for cfg in group:
+            shape, budget, topk, steps = cfg
+            log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
+            servers[cfg] = bench_server.launch(args.model_path, args.device,
+                                               bench_server.spec_args(topk, steps, budget) + args.server_args.split(),
+                                               log)
+        bar.set_postfix_str("starting " + ", ".join(f"{c[0]} D={c[1]} K={c[2]} S={c[3]}" for c in group))
+        for cfg in list(servers):
+            try:
+                bench_server.wait_healthy(servers[cfg])
+                first = next(ds for c, ds, _ in points if c == cfg)
+                bench_server.measure(servers[cfg], texts[first][:1], 1, {**sampling, "max_new_tokens": 8})  # warm-up
+            except Exception as e:  # noqa: BLE001 - one bad configuration must not lose the rest of the grid
+                failures += 1
+                tqdm.write(f"FAILED to start {cfg}: {e!r} (log: {servers[cfg].log})")
+                servers.pop(cfg).stop()
+                bar.update(sum(1 for c, _, _ in points if c == cfg))
+        for ds in args.datasets:
+            for bs in args.batch_sizes:
+                for cfg, server in list(servers.items()):
+                    if (cfg, ds, bs) not in points:
+                        continue
+                    shape, budget, topk, steps = cfg
+                    bar.set_postfix_str(f"{shape} D={budget} K={topk} S={steps} {ds} bs={bs}")
+                    try:
+                        m = bench_server.measure(server, texts[ds][:n_for[bs]], bs, sampling)
+                    except Exception as e:  # noqa: BLE001
+                        failures += 1
+                        tqdm.write(f"FAILED {cfg} {ds} bs={bs}: {e!r} (log: {server.log})")
+                        bar.update(1)
+                        continue
+                    rec = {"dataset": ds, "budget": budget, "batch_size": bs, "shape": shape, "topk": topk,
+                           "num_steps": steps, **m, **provenance, "timestamp": time.time()}
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    bar.update(1)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_path = Path(args.out)
@@ -90,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = {ds: bench_prompts.chat_texts(args.model_path, ds, max(n_for.values())) for ds in args.datasets}
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "ignore_eos": not args.respect_eos}
-    provenance = {"model": Path(args.model_path).name, "device": args.device,
+    provenance = {"model": Path(args.model_path).name, "model_sha256": bc.weights_digest(args.model_path),
+                  "device": args.device,
                   "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                   "ignore_eos": not args.respect_eos}
@@ -100,37 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     bar = tqdm(total=len(points), desc="sweep", unit="pt")
     with open(out_path, "a" if args.resume else "w") as out:
-        for cfg in configs:
-            todo = [(ds, bs) for c, ds, bs in points if c == cfg]
-            if not todo:
-                continue
-            shape, budget, topk, steps = cfg
-            bar.set_postfix_str(f"start {shape} D={budget} K={topk} S={steps}")
-            log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
-            server, measured = None, 0
-            try:
-                server = bench_server.start(args.model_path, args.device,
-                                            bench_server.spec_args(topk, steps, budget) + args.server_args.split(),
-                                            log)
-                bench_server.measure(server, texts[todo[0][0]][:1], 1, {**sampling, "max_new_tokens": 8})  # warm-up
-                for ds, bs in todo:
-                    bar.set_postfix_str(f"{shape} D={budget} {ds} bs={bs}")
-                    m = bench_server.measure(server, texts[ds][:n_for[bs]], bs, sampling)
-                    rec = {"dataset": ds, "budget": budget, "batch_size": bs, "shape": shape, "topk": topk,
-                           "num_steps": steps, **m, **provenance, "timestamp": time.time()}
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                    bar.update(1)
-                    measured += 1
-            except Exception as e:  # noqa: BLE001 - one bad configuration must not lose the rest of the grid
-                failures += 1
-                tqdm.write(f"FAILED {shape} D={budget} K={topk} S={steps}: {e!r} (log: {log})")
-                bar.update(len(todo) - measured)
-            finally:
-                if server is not None:
-                    server.stop()
+        for group in server_groups([c for c in configs if any(p[0] == c for p in points)], args.max_servers):
+            failures += run_group(group, points, args, texts, n_for, sampling, provenance, log_dir, out, bar)
     bar.close()
-    print(f"wrote {out_path} ({len(points)} points planned, {failures} server configurations failed)")
+    print(f"wrote {out_path} ({len(points)} points planned, {failures} failures)")
     return 1 if failures else 0
 
 

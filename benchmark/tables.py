@@ -22,9 +22,10 @@ def accept_table(records: list[dict]) -> str:
     for ds in sorted({k[0] for k in acc}):
         for d in sorted({k[1] for k in acc if k[0] == ds}):
             t, c = acc.get((ds, d, "tree")), acc.get((ds, d, "chain"))
-            k, s = bc.tree_shape(d)
             if t is None or c is None:
                 continue
+            k, s = next((r["topk"], r["num_steps"]) for r in records
+                        if r["shape"] == "tree" and r["dataset"] == ds and r["budget"] == d)
             lines.append(f"| {ds} | {d} | ({k},{s}) | {t:.3f} | {c:.3f} | {t - c:+.3f} | {t / c:.3f} |")
     return "\n".join(lines)
 
@@ -60,7 +61,8 @@ def ratio_summary(records: list[dict]) -> str:
 
 
 def shapes_table(records: list[dict]) -> str:
-    lines = ["| shape | K | S | accept length | output tok/s | mean step ms | requests |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | K | S | accept length | output tok/s | mean step ms | requests |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(records, key=lambda r: (r["shape"] != "tree", r["topk"], r["num_steps"])):
         lines.append(f"| {r['shape']} | {r['topk']} | {r['num_steps']} | {r['accept_length']:.3f} | "
                      f"{r['output_throughput']:.1f} | {r['mean_step_ms']:.1f} | {r['num_requests']} |")
