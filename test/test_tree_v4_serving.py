@@ -16,7 +16,7 @@ import requests
 from scipy.stats import chi2_contingency
 
 from sglang_tree_v4 import prompts
-from support import server as srv, tiny_v4
+from support import server as srv
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 64
@@ -26,12 +26,13 @@ TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk
 CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
          "--speculative-num-steps", "5"]
 COMMON = ["--device", "cpu", "--max-total-tokens", "32768"]
+EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_v4.build(tmp_path_factory.mktemp("tinyv4"))
-
+def model() -> Path:
+    """The embedded model: trained, so drafts are accepted and multi-node commits are exercised."""
+    return EMBEDDED
 
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
@@ -83,12 +84,12 @@ def test_greedy_equals_non_speculative(greedy_outputs, shape):
 
 
 def test_accept_length_reported(servers, greedy_outputs):
+    """Per request in meta_info, server-wide in /get_server_info; the trained model accepts drafts."""
     for shape in ("tree", "chain"):
-        meta = greedy_outputs[shape][0]["meta_info"]
-        assert meta["spec_accept_length"] >= 1.0
-        info = servers[shape].session_info() if hasattr(servers[shape], "session_info") else \
-            requests.get(servers[shape].url + "/get_server_info", timeout=30).json()
-        assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
+        metas = [o["meta_info"] for o in greedy_outputs[shape]]
+        assert sum(m["spec_accept_length"] for m in metas) / len(metas) > 1.2
+        info = requests.get(servers[shape].url + "/get_server_info", timeout=30).json()
+        assert info["internal_states"][0]["avg_spec_accept_length"] > 1.2
 
 
 def test_stops_inside_accepted_blocks_match(servers):
