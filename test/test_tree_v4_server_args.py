@@ -1,0 +1,61 @@
+"""TREE_V4's startup validation: defaults, impossible budgets and wrong models fail naming the flag."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_tree_v4.spec.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, max_tree_nodes, validate_budget,
+                                             validate_model)
+from support import server as srv
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
+
+
+def test_defaults_are_a_real_tree_and_chain_is_matched():
+    budget = validate_budget(None, None, None)
+    assert budget.draft_tokens == DEFAULT_DRAFT_TOKENS and budget.topk > 1
+    assert validate_budget(6, 1, None) == TreeBudget(6, 1, 5)
+    assert validate_budget(6, None, 5) == TreeBudget(6, 1, 5)
+
+
+@pytest.mark.parametrize("d, k, s, flag", [
+    (1, 2, 1, "--speculative-num-draft-tokens"), (65, 2, 4, "--speculative-num-draft-tokens"),
+    (8, 0, 4, "--speculative-eagle-topk"), (8, 2, 8, "--speculative-num-steps"), (8, 2, 0, "--speculative-num-steps"),
+    (8, 1, 3, "--speculative-num-draft-tokens"),
+])
+def test_impossible_budgets_name_the_flag(d, k, s, flag):
+    with pytest.raises(ValueError, match=flag):
+        validate_budget(d, k, s)
+
+
+def test_capacity_bound():
+    assert max_tree_nodes(1, 7) == 7 and max_tree_nodes(2, 4) == 14 and max_tree_nodes(4, 1) == 4
+
+
+def test_model_checks(tmp_path):
+    assert validate_model(str(EMBEDDED))["model_type"] == "deepseek_v4"
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="--model-path"):
+        validate_model(str(tmp_path / "llama"))
+    raw = json.loads((EMBEDDED / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 0
+    (tmp_path / "nomtp").mkdir()
+    (tmp_path / "nomtp" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+        validate_model(str(tmp_path / "nomtp"))
+
+
+@pytest.mark.server
+def test_launcher_stops_with_the_flag_named():
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(EMBEDDED),
+                           "--speculative-algorithm", "TREE_V4", "--speculative-eagle-topk", "3",
+                           "--speculative-num-steps", "9", "--port", str(srv.free_port())],
+                          env=srv.clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--speculative-num-steps" in proc.stderr
