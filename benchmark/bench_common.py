@@ -43,9 +43,14 @@ def chain_shape(budget: int) -> tuple[int, int]:
 
 
 def git_commit() -> str:
+    """HEAD, with ``-dirty`` when the benchmark scripts themselves differ from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "benchmark"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+        return head + ("-dirty" if any(line[:2].strip() and not line.startswith("??") for line in
+                                       dirty.splitlines()) else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -55,6 +55,7 @@ def plot_accept(records: list[dict], out: Path) -> Path:
             pts = sorted((d, v) for (dd, d, s), v in acc.items() if dd == ds and s == shape)
             if pts:
                 ax.plot(*zip(*pts), "o-", color=COLORS[shape], label=shape)
+        ax.set_xticks(sorted({k[1] for k in acc if k[0] == ds}))
         ax.set_title(ds)
         ax.set_xlabel("budget D (tokens verified per request per pass)")
         ax.grid(alpha=0.3)

@@ -73,6 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("jsonl", nargs="?")
     ap.add_argument("--shapes", default=None, help="JSONL of a --tree-shapes run")
+    ap.add_argument("--compare-tree", default=None,
+                    help="JSONL of a tree-only run: its trees against the main file's chains (accept length)")
     a = ap.parse_args()
     if a.jsonl:
         records = grid_records(bc.load_records(a.jsonl))
@@ -80,6 +82,11 @@ def main() -> None:
         print("## Median tree/chain throughput ratio over batch sizes\n\n" + ratio_summary(records) + "\n")
         for ds in sorted({r["dataset"] for r in records}):
             print(f"## Output throughput (tokens/s), {ds}\n\n" + throughput_table(records, ds) + "\n")
+    if a.jsonl and a.compare_tree:
+        chains = [r for r in bc.load_records(a.jsonl) if r["shape"] == "chain"]
+        trees = [r for r in bc.load_records(a.compare_tree) if r["shape"] == "tree"]
+        print(f"## Accept length, trees of {Path(a.compare_tree).name} vs chains\n\n" + accept_table(trees + chains)
+              + "\n")
     if a.shapes:
         print("## Tree shapes\n\n" + shapes_table(bc.load_records(a.shapes)) + "\n")
 
