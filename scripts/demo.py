@@ -7,33 +7,16 @@ accepted length, and stop the server.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import requests
 from transformers import AutoTokenizer
 
+from sglang_tree_v4 import launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with code {proc.returncode}")
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    sys.exit("the server did not become healthy in time")
 
 
 def main() -> None:
@@ -42,13 +25,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("extra", nargs="*", help="more launch_server flags (after --)")
     args = parser.parse_args()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path,
-           "--speculative-algorithm", "TREE_V4", "--host", "127.0.0.1", "--port", str(args.port), *args.extra]
-    print("$", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}"
+    flags = ["--speculative-algorithm", "TREE_V4", *args.extra]
+    print("$ python -m sglang.launch_server --model-path", args.model_path, *flags, flush=True)
+    server = launcher.launch(args.model_path, flags, port=args.port)
+    url = server.url
     try:
-        wait_healthy(url, proc)
+        launcher.wait_healthy(server, timeout=600)
         # The chat template comes from the checkpoint's tokenizer; /generate reports per-request speculation stats.
         tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
@@ -64,8 +46,7 @@ def main() -> None:
         print(f"\naccepted length: {meta.get('spec_accept_length', 1.0):.2f} tokens per target verify pass "
               f"({meta['completion_tokens']} tokens, {meta.get('spec_verify_ct', 0)} verify passes)")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        server.stop()
 
 
 if __name__ == "__main__":

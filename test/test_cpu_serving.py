@@ -14,8 +14,8 @@ import sys
 import pytest
 import requests
 
-from sglang_tree_v4 import prompts
-from support import server as srv, tiny_llama
+from sglang_tree_v4 import launcher as srv, prompts
+from support import tiny_llama
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 24

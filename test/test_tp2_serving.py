@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tree_v4 import prompts
-from support import server as srv, tiny_v4
+from sglang_tree_v4 import launcher as srv, prompts
+from support import tiny_v4
 from test_engine_offline import reference_greedy
 
 pytestmark = pytest.mark.server

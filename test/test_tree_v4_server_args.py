@@ -11,7 +11,7 @@ import pytest
 
 from sglang_tree_v4.spec.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, max_tree_nodes, validate_budget,
                                              validate_model)
-from support import server as srv
+from sglang_tree_v4 import launcher as srv
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 

@@ -15,8 +15,7 @@ import pytest
 import requests
 from scipy.stats import chi2_contingency
 
-from sglang_tree_v4 import prompts
-from support import server as srv
+from sglang_tree_v4 import launcher as srv, prompts
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 64

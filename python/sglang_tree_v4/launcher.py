@@ -1,8 +1,9 @@
-"""Start and stop real SGLang servers (``python -m sglang.launch_server``) for end-to-end tests.
+"""Start and stop real SGLang servers (``python -m sglang.launch_server``): for the end-to-end tests, the benchmarks
+and the demo, which all measure or show what a user gets from the stock command.
 
-Servers run with the user's plain environment: no SGLang variables are set here, because the
-project promises that none are needed. Each server gets its own process group so that stopping it
-also stops the scheduler and detokenizer processes it spawned.
+Servers run with the user's plain environment: no SGLang variables are set here, because the project promises that
+none are needed (stale ones inherited from a parent are dropped). Each server gets its own process group so that
+stopping it also stops the scheduler and detokenizer processes it spawned.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 class Server:
     process: subprocess.Popen
     url: str
-    log: Path
+    log: Path | None
 
     def post(self, path: str, payload: dict, timeout: float = 1800) -> requests.Response:
         return requests.post(self.url + path, json=payload, timeout=timeout)
@@ -48,25 +49,33 @@ class Server:
         return r.json()
 
     def log_tail(self, n: int = 60) -> str:
+        if self.log is None:
+            return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
             try:
+                os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+            except ProcessLookupError:
+                pass
 
 
-def launch(model: Path | str, args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
-    """Start a server; returns at once (see ``wait_healthy``)."""
-    port = free_port()
+def launch(model: Path | str, args: list[str], log: Path | None = None, env: dict[str, str] | None = None,
+           port: int | None = None) -> Server:
+    """Start a server; returns at once (see ``wait_healthy``). Without ``log`` its output goes to the terminal."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
            "--host", "127.0.0.1", "--port", str(port), *args]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env or clean_env(),
+    out = open(log, "w") if log is not None else None
+    if out is not None:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env or clean_env(),
                             start_new_session=True)
     return Server(proc, f"http://127.0.0.1:{port}", log)
 
