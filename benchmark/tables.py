@@ -49,14 +49,13 @@ def throughput_table(records: list[dict], ds: str) -> str:
 
 def ratio_summary(records: list[dict]) -> str:
     """Median tree/chain throughput ratio per dataset and budget over batch sizes."""
-    lines = ["| dataset | " + " | ".join(f"D={d}" for d in sorted({r['budget'] for r in records
-                                                                     if r['shape'] == 'tree'})) + " |"]
-    lines.append("|---|" + "---|" * (len(lines[0].split("|")) - 3))
+    all_budgets = sorted({r["budget"] for r in records if r["shape"] == "tree"})
+    lines = ["| dataset | " + " | ".join(f"D={d}" for d in all_budgets) + " |", "|---|" + "---|" * len(all_budgets)]
     for ds in sorted({r["dataset"] for r in records}):
         budgets, _, rows = ratio_grid(records, ds)
-        cells = [statistics.median([v for v in row if v is not None]) if any(v is not None for v in row) else None
-                 for row in rows]
-        lines.append(f"| {ds} | " + " | ".join(f"{v:.2f}" if v else "" for v in cells) + " |")
+        med = {b: statistics.median([v for v in row if v is not None]) for b, row in zip(budgets, rows)
+               if any(v is not None for v in row)}
+        lines.append(f"| {ds} | " + " | ".join(f"{med[d]:.2f}" if d in med else "" for d in all_budgets) + " |")
     return "\n".join(lines)
 
 
