@@ -125,6 +125,7 @@ def plot_ratio(records: list[dict], out: Path) -> Path:
         ax.set_title(f"{ds}: tree / chain throughput")
         ax.set_xlabel("batch size")
         ax.set_ylabel("budget D")
+    fig.subplots_adjust(bottom=0.2, top=0.88, wspace=0.35)
     if im is not None:
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     path = out / "ratio_heatmap.png"
