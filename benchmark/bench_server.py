@@ -8,48 +8,15 @@ requests in flight (``--max-concurrency``). Each request streams so that its fir
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-_INHERITED_SGLANG_VARS = ("SGLANG_USE_CPU_ENGINE",)  # the plugin sets these itself; a stale value must not leak in
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        """Stop the launcher and every process it spawned (its own process group)."""
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-            except ProcessLookupError:
-                pass
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+from sglang_tree_v4 import launcher
+from sglang_tree_v4.launcher import Server, wait_healthy  # noqa: F401  (the sweep uses both through this module)
 
 
 def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:
@@ -62,31 +29,7 @@ def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:
 
 def launch(model: str, device: str, extra: list[str], log: Path) -> Server:
     """Start a server in its own process group; returns at once (see ``wait_healthy``)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-           "--port", str(port), "--device", device, *extra]
-    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_SGLANG_VARS}
-    out = open(log, "w")
-    out.write("$ " + " ".join(cmd) + "\n")
-    out.flush()
-    return Server(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True),
-                  f"http://127.0.0.1:{port}", log)
-
-
-def wait_healthy(server: Server, timeout: float = 600) -> Server:
-    """Wait until /health answers; on failure stop the server and raise with its log tail."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
-        try:
-            if requests.get(server.url + "/health", timeout=5).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    server.stop()
-    raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{server.log_tail()}")
+    return launcher.launch(model, ["--device", device, *extra], log)
 
 
 def _one_request(url: str, text: str, sampling: dict) -> dict:

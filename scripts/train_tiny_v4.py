@@ -12,7 +12,7 @@ what the draft layer needs to agree with the target -- agreement is what specula
 ``--detach-mtp`` trains the draft layer on frozen-trunk features instead.
 
 Usage (from the repository root):
-    python scripts/train_tiny_v4.py --out models/tiny-v4 --log /tmp/tiny_v4_train.log
+    python scripts/train_tiny_v4.py --out models/tiny-v4 --log tiny_v4_train.log
 """
 from __future__ import annotations
 
