@@ -9,7 +9,6 @@ overrides it. Idle schedulers sleep instead of polling. Tensor parallelism on a 
 
 from __future__ import annotations
 
-import json
 import os
 
 TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
@@ -28,21 +27,16 @@ def cpu_binding(ranks: int) -> str:
 
 def apply_cpu_defaults(original, self, *args, **kwargs):
     """AROUND hook on ``ServerArgs.resolve_once``: fill CPU defaults, then resolve as usual."""
+    from ..dsv4.config import is_deepseek_v4, read_checkpoint_config
+
     if not getattr(self, "_resolution_finished", False):
         if self.max_total_tokens is None:
             self.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
         # An idle scheduler busy-polls; on a CPU those cycles are taken from the model's own compute.
         self.sleep_on_idle = True
-        if self.dtype == "auto" and _is_deepseek_v4(self.model_path):
+        if self.dtype == "auto" and is_deepseek_v4(read_checkpoint_config(self.model_path)):
             self.dtype = "float32"
         if (self.tp_size or 1) > 1:
             os.environ.setdefault(THREADS_BIND_ENV, cpu_binding(self.tp_size))
     return original(self, *args, **kwargs)
 
-
-def _is_deepseek_v4(model_path: str) -> bool:
-    path = os.path.join(str(model_path), "config.json")
-    if not os.path.isfile(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("model_type") == "deepseek_v4"

@@ -238,6 +238,21 @@ class DSV4Config:
         }
 
 
+def read_checkpoint_config(path: str) -> dict | None:
+    """A checkpoint folder's raw ``config.json`` (None if there is none, e.g. a hub id)."""
+    file = os.path.join(str(path), "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def is_deepseek_v4(raw: Mapping[str, Any] | None) -> bool:
+    """Whether a raw checkpoint config describes DeepSeek-V4 (either layout)."""
+    return raw is not None and (raw.get("model_type") == "deepseek_v4"
+                                or "DeepseekV4ForCausalLM" in (raw.get("architectures") or []))
+
+
 def _hash_prefix(flags: tuple[bool, ...]) -> int:
     k = sum(flags)
     if any(flags[k:]) or not all(flags[:k]):

@@ -9,7 +9,6 @@ model registry under that name. With the architecture renamed, none of SGLang's 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,6 @@ PARSE_TARGET = "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.pars
 ARCH_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
 CHAT_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
 OWN_MODEL_ENV = "SGLANG_TREE_V4_OWN_MODEL"
-V4_ARCH = "DeepseekV4ForCausalLM"
 
 
 def use_own_model() -> bool:
@@ -28,14 +26,6 @@ def use_own_model() -> bool:
     from ..cpu import cpu_only_machine
 
     return (os.environ.get(OWN_MODEL_ENV) == "1" or "TREE_V4" in sys.argv or cpu_only_machine())
-
-
-def _checkpoint_config(model_path: str) -> dict | None:
-    path = os.path.join(str(model_path), "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def sglang_config(raw: dict):
@@ -60,9 +50,10 @@ def sglang_config(raw: dict):
 def around_parse(original, parser, model, *args, **kwargs):
     """AROUND hook on ``HfModelConfigParser.parse(self, model, ...)``: V4 checkpoints never reach transformers'
     config class (which only knows ratios 4 and 128 in DeepSeek's layout) when our model serves them."""
-    raw = _checkpoint_config(model)
-    is_v4 = raw is not None and (raw.get("model_type") == "deepseek_v4" or raw.get("architectures") == [V4_ARCH])
-    if not is_v4 or not use_own_model():
+    from ..dsv4.config import is_deepseek_v4, read_checkpoint_config
+
+    raw = read_checkpoint_config(model)
+    if not is_deepseek_v4(raw) or not use_own_model():
         return original(parser, model, *args, **kwargs)
     config = sglang_config(raw)
     config._name_or_path = str(model)

@@ -8,10 +8,10 @@ with an MTP layer stop the launcher with a message naming the flag.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
+
+from ..dsv4.config import is_deepseek_v4, read_checkpoint_config
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,6 @@ DEFAULT_TOPK = 3
 DEFAULT_STEPS = 3
 MAX_DRAFT_TOKENS = 64
 MAX_TOPK = 16
-V4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -65,22 +64,15 @@ def validate_budget(draft_tokens: int | None, topk: int | None, steps: int | Non
     return TreeBudget(d, k, s)
 
 
-def read_model_config(model_path: str) -> dict:
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"--speculative-algorithm TREE_V4 needs a local DeepSeek-V4 checkpoint; "
-                         f"--model-path {model_path!r} has no config.json")
-    with open(path) as f:
-        return json.load(f)
-
-
 def validate_model(model_path: str) -> dict:
     """The checkpoint must be DeepSeek-V4 with at least one MTP (next-n) layer: the MTP is the drafter."""
-    cfg = read_model_config(model_path)
-    archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "deepseek_v4" and not any(a in V4_ARCHITECTURES for a in archs):
+    cfg = read_checkpoint_config(model_path)
+    if cfg is None:
+        raise ValueError(f"--speculative-algorithm TREE_V4 needs a local DeepSeek-V4 checkpoint; "
+                         f"--model-path {model_path!r} has no config.json")
+    if not is_deepseek_v4(cfg):
         raise ValueError(f"--speculative-algorithm TREE_V4 supports DeepSeek-V4 models only; --model-path "
-                         f"{model_path!r} is {archs or cfg.get('model_type')!r}")
+                         f"{model_path!r} is {cfg.get('architectures') or cfg.get('model_type')!r}")
     if int(cfg.get("num_nextn_predict_layers") or 0) < 1:
         raise ValueError(f"--speculative-algorithm TREE_V4 drafts with the model's MTP layer, but --model-path "
                          f"{model_path!r} has num_nextn_predict_layers = 0")
