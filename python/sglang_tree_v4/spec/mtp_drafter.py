@@ -21,16 +21,16 @@ from ..tree import DraftStep
 
 
 def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor,
-             starts: list[int], lens: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+             starts: list[int], lens: list[int], next_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """MTP rows for positions ``[starts[b], lens[b])`` of every request; returns the root draft.
 
-    ``tokens[b]`` holds the request's tokens by position (length ``lens[b] + 1``: the bonus is last).
+    ``next_tokens[b]`` are the tokens one ahead of those positions, ``starts[b] + 1 .. lens[b]`` (the bonus last).
     Returns ``(logits [B, 1, V], hidden [B, 1, hc, D])`` of each request's query at ``lens[b] - 1``.
     """
     device = req_table.device
     counts = torch.tensor([n - s for s, n in zip(starts, lens)], device=device)
     positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens)])
-    next_ids = torch.cat([torch.tensor(t[s + 1 : n + 1], device=device) for t, s, n in zip(tokens, starts, lens)])
+    next_ids = torch.cat([torch.tensor(t, device=device) for t in next_tokens])
     query_req = torch.arange(len(lens), device=device).repeat_interleave(counts)
     out_slots = req_table[query_req, positions]
     hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size

@@ -103,20 +103,22 @@ class TreeV4Worker(BaseSpecWorker):
         req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
         lens = batch.seq_lens.tolist()
         window = model.cfg.window
-        tokens, starts = [], []
+        next_tokens, starts, roots = [], [], []
         for req, L in zip(batch.reqs, lens):
-            seq = list(req.origin_input_ids) + list(req.output_ids)
-            assert len(seq) == L + 1, (len(seq), L)
-            tokens.append(seq)
-            starts.append(max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0))
+            prompt, output = req.origin_input_ids, req.output_ids
+            assert len(prompt) + len(output) == L + 1, (len(prompt), len(output), L)  # the bonus is not committed
+            start = max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0)
+            next_tokens.append(_tokens_between(prompt, output, start + 1, L + 1))
+            starts.append(start)
+            roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
             if req.kv.kv_allocated_len < L + D + K * (S - 1):
                 raise RuntimeError("TREE_V4: fewer reserved KV slots than the draft tree needs")
-        root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, tokens)
+        root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
         prefix = batch.seq_lens.long()
-        roots = torch.tensor([seq[-1] for seq in tokens], device=self.device)
         drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, D, K)
-        return build_draft_tree(roots, prefix, drafter, S, K, D, root_draft=root_draft)
+        return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
+                                root_draft=root_draft)
 
     def _verify_input(self, batch, tree):
         D = self.budget.draft_tokens
@@ -179,3 +181,9 @@ class TreeV4Worker(BaseSpecWorker):
             next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
                                               accept_tokens=accept_tokens, accept_lens=accept_lens),
             speculative_num_draft_tokens=D)
+
+
+def _tokens_between(prompt, output, lo: int, hi: int) -> list[int]:
+    """Tokens at positions ``[lo, hi)`` of prompt + output, without copying the whole history every round."""
+    n = len(prompt)
+    return list(prompt[lo:min(hi, n)]) + list(output[max(lo - n, 0):max(hi - n, 0)])
