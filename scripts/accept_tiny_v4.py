@@ -26,7 +26,8 @@ import tiny_v4_data as data  # noqa: E402
 
 
 @torch.no_grad()
-def speculative_greedy(runner, prompt: list[int], D: int, K: int, S: int, max_new: int, eos: int):
+def speculative_greedy(runner, prompt: list[int], D: int, K: int, S: int, max_new: int, eos: int,
+                       score_temperature: float = 1.0):
     """-> (emitted tokens, accept length per round). Stops at ``max_new`` tokens (the last round may pass it, as in
     serving) or at the first eos."""
     from sglang_tree_v4.dsv4.mtp_draft import MTPTreeDrafter as Refresher
@@ -47,7 +48,8 @@ def speculative_greedy(runner, prompt: list[int], D: int, K: int, S: int, max_ne
         drafter = MTPTreeDrafter(runner.model, runner.mtp_store, runner.req_table[rid:rid + 1],
                                  torch.tensor([L]), D, K)
         tree = build_draft_tree(torch.tensor([bonus]), torch.tensor([L]), drafter, S, K, D,
-                                root_draft=(root.logits[None], root.streams[None]))
+                                root_draft=(root.logits[None], root.streams[None]),
+                                score_temperature=score_temperature)
         n = int(tree.num_nodes[0])
         res = tv.verify([rid], tree.tokens[:, :n], tree.parents[:, :n], tree.num_nodes, scratch=[slots[:D]])
         logits = torch.zeros(1, tree.width, res.logits[0].shape[-1])

@@ -73,12 +73,18 @@ def mtp_batch(B: int, T: int, device) -> ForwardBatch:
     return pos, req, slots.view(B, n)
 
 
-def joint_loss(model: DSV4Model, ids: torch.Tensor, mtp_weight: float, detach_streams: bool = False):
+def joint_loss(model: DSV4Model, ids: torch.Tensor, mtp_weight: float, detach_streams: bool = False,
+               mtp_distill: float = 0.0):
     """ids [B, T] -> (total, target CE, MTP CE, target logits, MTP logits).
 
     Target: position p predicts token p+1. MTP: the query at position p takes the target's last-block streams at p
     and the token at p+1 (teacher forcing) and predicts the token at p+2 -- exactly what it is asked at drafting time,
-    where the token at p+1 is the target's own choice."""
+    where the token at p+1 is the target's own choice.
+
+    ``mtp_distill`` = a in [0, 1] trains the MTP on a mix of the data's token (weight 1 - a) and the target's own
+    (detached) next-token distribution at p+2 (weight a): a draft is paid for agreeing with the target, not with the
+    data, and the target's soft distribution is a denser signal than one sampled token. The returned MTP CE is
+    always the data CE, so logs stay comparable."""
     B, T = ids.shape
     out = model.forward_sequences(ids)
     tgt_ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), ids[:, 1:].reshape(-1))
@@ -90,8 +96,14 @@ def joint_loss(model: DSV4Model, ids: torch.Tensor, mtp_weight: float, detach_st
     fb = ForwardBatch(ids[:, 1:].reshape(-1), pos, table.reshape(-1), SlotTable.for_requests(table, req, pos))
     mo = mtp_forward(model, fb, streams.reshape(-1, *streams.shape[2:]), store)
     mlog = mo.logits.view(B, T - 1, -1)
-    mtp_ce = F.cross_entropy(mlog[:, :-1].reshape(-1, mlog.shape[-1]), ids[:, 2:].reshape(-1))
-    return tgt_ce + mtp_weight * mtp_ce, tgt_ce, mtp_ce, out.logits, mlog
+    V = mlog.shape[-1]
+    mtp_ce = F.cross_entropy(mlog[:, :-1].reshape(-1, V), ids[:, 2:].reshape(-1))
+    mtp_loss = mtp_ce
+    if mtp_distill > 0:
+        teacher = out.logits[:, 1:-1].detach().float().softmax(-1).reshape(-1, V)
+        soft_ce = -(teacher * mlog[:, :-1].float().log_softmax(-1).reshape(-1, V)).sum(-1).mean()
+        mtp_loss = (1 - mtp_distill) * mtp_ce + mtp_distill * soft_ce
+    return tgt_ce + mtp_weight * mtp_loss, tgt_ce, mtp_ce, out.logits, mlog
 
 
 def model_mtp_store(model: DSV4Model, n: int, device):

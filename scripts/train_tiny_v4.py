@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--detach-mtp", action="store_true")
+    ap.add_argument("--mtp-distill", type=float, default=0.0,
+                    help="share of the MTP loss taken against the target's own next-token distribution")
     ap.add_argument("--sharegpt-train", type=int, default=1200)
     ap.add_argument("--mbpp-repeats", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=50, help="intermediate checkpoints (same folder)")
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         lr = lr_at(step, args.steps, args.lr, args.warmup)
         for gr in opt.param_groups:
             gr["lr"] = lr
-        loss, tgt, mtp, _, _ = tm.joint_loss(model, stream[step], args.mtp_weight, args.detach_mtp)
+        loss, tgt, mtp, _, _ = tm.joint_loss(model, stream[step], args.mtp_weight, args.detach_mtp,
+                                              args.mtp_distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

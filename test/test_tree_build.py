@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_tree_v4.tree import DraftStep, DraftTree, build_draft_tree
-from sglang_tree_v4.tree.synthetic import PathHashDrafter
+from sglang_tree_v4.tree.synthetic import FixedLogitsDrafter, PathHashDrafter
 
 VOCAB = 61
 
@@ -20,8 +20,9 @@ def call_one(drafter, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, t
     return logits[0, 0], out[0, 0]
 
 
-def reference_pool(drafter, root: int, steps: int, topk: int) -> list[dict]:
-    """Candidate pool of EAGLE-2 expansion, expanding one node at a time: each entry has path, parent, score."""
+def reference_pool(drafter, root: int, steps: int, topk: int, temperature: float = 1.0) -> list[dict]:
+    """Candidate pool of EAGLE-2 expansion, expanding one node at a time: each entry has path, parent, score
+    (log-probs of the draft distribution at ``temperature``)."""
     root_hidden = drafter.root_hidden(torch.tensor([root]))[0]
     pool = [dict(path=(root,), parent=-1, logprob=0.0, score=0.0)]
     frontier = [(0, root_hidden)]  # (pool index, parent_hidden to feed)
@@ -29,7 +30,7 @@ def reference_pool(drafter, root: int, steps: int, topk: int) -> list[dict]:
         layer = []
         for pool_idx, parent_hidden in frontier:
             logits, hidden = call_one(drafter, pool[pool_idx]["path"][-1], parent_hidden)
-            logprobs = torch.log_softmax(logits.double(), -1)
+            logprobs = torch.log_softmax(logits.double() / temperature, -1)
             for token in logprobs.topk(topk).indices.tolist():
                 entry = dict(path=pool[pool_idx]["path"] + (token,), parent=pool_idx,
                              logprob=float(logprobs[token]), score=pool[pool_idx]["score"] + float(logprobs[token]))
@@ -58,15 +59,19 @@ def tree_paths(tree: DraftTree, b: int) -> list[tuple]:
     return paths
 
 
-@pytest.mark.parametrize("steps,topk,budget", [(1, 3, 3), (2, 2, 4), (3, 2, 6), (2, 3, 8), (4, 2, 8), (3, 3, 5)])
-def test_tree_is_the_best_subtree_of_the_candidates(steps, topk, budget):
+@pytest.mark.parametrize("steps,topk,budget,temperature", [
+    (1, 3, 3, 1.0), (2, 2, 4, 1.0), (3, 2, 6, 1.0), (2, 3, 8, 1.0), (4, 2, 8, 1.0), (3, 3, 5, 1.0),
+    (3, 2, 6, 0.4), (4, 3, 8, 0.4), (2, 3, 8, 2.5),
+])
+def test_tree_is_the_best_subtree_of_the_candidates(steps, topk, budget, temperature):
     drafter = PathHashDrafter(VOCAB, seed=steps * 10 + topk, sharpness=3.0)
     roots = torch.tensor([5, 17, 42, 8])
     prefix = torch.tensor([0, 3, 9, 100])
-    tree = build_draft_tree(roots, prefix, drafter, steps, topk, budget, drafter.root_hidden(roots))
+    tree = build_draft_tree(roots, prefix, drafter, steps, topk, budget, drafter.root_hidden(roots),
+                            score_temperature=temperature)
     tree.check()
     for b, root in enumerate(roots.tolist()):
-        pool = reference_pool(drafter, root, steps, topk)
+        pool = reference_pool(drafter, root, steps, topk, temperature)
         by_path = {e["path"]: e for e in pool}
         size = min(budget, len(pool))
         assert tree.num_nodes[b] == size
@@ -98,6 +103,30 @@ def test_topk_one_is_the_greedy_chain():
         assert tree.tokens[b].tolist() == chain
         assert tree.parents[b].tolist() == list(range(-1, 6))
         assert tree.positions(torch.tensor([4, 7]))[b].tolist() == [[4, 7][b] + d for d in range(7)]
+
+
+def test_score_temperature_moves_the_tree_between_width_and_depth():
+    """The same candidates, scored at two temperatures. Every node's draft puts 33%, 20% and 12% on its top three
+    children: at T = 1 the six-node tree is wide and shallow (a third child, 12%, outscores a grandchild, 11%); at
+    T = 0.1 the top-1 child is near certain and the tree is the greedy chain, as deep as the steps allow."""
+    roots = torch.tensor([7, 9])
+    steps, topk, budget = 5, 3, 6
+    logits = torch.zeros(11)
+    logits[1], logits[2], logits[3] = 2.0, 1.5, 1.0
+    drafter = FixedLogitsDrafter(logits.expand(2, topk, 11))
+
+    def build(temperature):
+        return build_draft_tree(roots, torch.zeros(2), drafter, steps, topk, budget, torch.zeros(2, 1),
+                                score_temperature=temperature)
+
+    wide, sharp = build(1.0), build(0.1)
+    for b, root in enumerate(roots.tolist()):
+        assert wide.depths[b].tolist() == [0, 1, 1, 1, 2, 2]
+        assert tree_paths(sharp, b)[-1] == (root, 1, 1, 1, 1, 1)
+        assert sharp.depths[b].tolist() == [0, 1, 2, 3, 4, 5]
+        assert tree_paths(wide, b)[:5] == [(root,), (root, 1), (root, 2), (root, 3), (root, 1, 1)]
+    with pytest.raises(ValueError, match="score_temperature"):
+        build(0.0)
 
 
 def test_mixed_budgets_equal_separate_builds():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tree_v4.spec.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, max_tree_nodes, validate_budget,
-                                             validate_model)
+from sglang_tree_v4.spec.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, draft_score_temperature,
+                                             max_tree_nodes, validate_budget, validate_model)
 from sglang_tree_v4 import launcher as srv
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
@@ -49,6 +49,18 @@ def test_model_checks(tmp_path):
     (tmp_path / "nomtp" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         validate_model(str(tmp_path / "nomtp"))
+
+
+def test_draft_score_temperature_comes_from_the_checkpoint():
+    assert draft_score_temperature({}) == 1.0
+    embedded = draft_score_temperature(validate_model(str(EMBEDDED)))
+    assert 0 < embedded < 1, "the embedded model ships a fitted calibration (scripts/calibrate_tiny_v4.py)"
+    assert draft_score_temperature({"tree_v4": {"draft_score_temperature": 2}}) == 2.0
+    for bad in (0, -1, "0.5", True, None):
+        with pytest.raises(ValueError, match="tree_v4.draft_score_temperature"):
+            draft_score_temperature({"tree_v4": {"draft_score_temperature": bad}})
+    with pytest.raises(ValueError, match="'tree_v4'"):
+        draft_score_temperature({"tree_v4": 0.5})
 
 
 @pytest.mark.server

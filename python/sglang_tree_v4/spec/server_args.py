@@ -79,9 +79,27 @@ def validate_model(model_path: str) -> dict:
     return cfg
 
 
+CALIBRATION_KEY = "tree_v4"  # config.json section written by scripts/calibrate_tiny_v4.py
+
+
+def draft_score_temperature(cfg: dict) -> float:
+    """The temperature that calibrates the MTP's draft confidence for the tree's reranking (``tree.build``), read
+    from the checkpoint's ``config.json`` section ``tree_v4.draft_score_temperature``; 1.0 (EAGLE-2's raw draft
+    probabilities) when absent. It is a property of the checkpoint's target + MTP pair, fitted offline, so it travels
+    with the weights instead of being a flag every launch must repeat."""
+    section = cfg.get(CALIBRATION_KEY) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"config.json key {CALIBRATION_KEY!r} must be an object, got {section!r}")
+    value = section.get("draft_score_temperature", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100:
+        raise ValueError(f"config.json {CALIBRATION_KEY}.draft_score_temperature must be a number in (0, 100], "
+                         f"got {value!r}")
+    return float(value)
+
+
 def handle_server_args(server_args) -> None:
     """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared)."""
-    validate_model(server_args.model_path)
+    draft_score_temperature(validate_model(server_args.model_path))
     budget = validate_budget(server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
                              server_args.speculative_num_steps)
     server_args.speculative_num_draft_tokens = budget.draft_tokens

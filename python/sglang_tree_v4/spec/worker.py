@@ -34,7 +34,8 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
 from ..tree import SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from .mtp_drafter import MTPTreeDrafter, catch_up
-from .server_args import TreeBudget
+from ..dsv4.config import read_checkpoint_config
+from .server_args import TreeBudget, draft_score_temperature
 from .tp_sync import broadcast_verdict
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class TreeV4Worker(BaseSpecWorker):
                              f"{type(self.adapter).__name__}")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
-        logger.info("TREE_V4 worker: D=%d K=%d S=%d", *vars(self.budget).values())
+        self.score_temperature = draft_score_temperature(read_checkpoint_config(server_args.model_path) or {})
+        logger.info("TREE_V4 worker: D=%d K=%d S=%d, draft score temperature %.3g", *vars(self.budget).values(),
+                    self.score_temperature)
 
     # --- what the scheduler expects of a worker -------------------------------------------------------------
     def alloc_memory_pool(self, **kwargs):
@@ -118,7 +121,7 @@ class TreeV4Worker(BaseSpecWorker):
         prefix = batch.seq_lens.long()
         drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, D, K)
         return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
-                                root_draft=root_draft)
+                                root_draft=root_draft, score_temperature=self.score_temperature)
 
     def _verify_input(self, batch, tree):
         D = self.budget.draft_tokens
