@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=10, help="prompts per dataset (GSM8K test, MBPP test)")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--configs", default="8,4,4;8,2,7;8,1,7", help="D,K,S triples separated by ';'")
+    ap.add_argument("--score-temperature", type=float, default=None,
+                    help="draft-score temperature of the trees (default: the model's calibrated one, as served)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -103,21 +105,26 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_tree_v4.dsv4.runner import DSV4Runner
     from sglang_tree_v4.dsv4.weights import load_model
 
+    from sglang_tree_v4.dsv4.config import read_checkpoint_config
+    from sglang_tree_v4.spec.server_args import draft_score_temperature
+
     model = load_model(args.model)
     tok = AutoTokenizer.from_pretrained(args.model)
+    temperature = args.score_temperature or draft_score_temperature(read_checkpoint_config(args.model) or {})
     runner = DSV4Runner(model, num_slots=8192, max_len=2048, max_reqs=4)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
-    result: dict = {"model": args.model, "max_new": args.max_new, "prompts_per_dataset": args.n, "results": []}
+    result: dict = {"model": args.model, "max_new": args.max_new, "prompts_per_dataset": args.n,
+                    "score_temperature": temperature, "results": []}
     for name, ps in prompts(tok, args.n).items():
         for D, K, S in configs:
             t0, rounds, emitted = time.time(), 0, 0
             for p in ps:
-                toks, acc = speculative_greedy(runner, p, D, K, S, args.max_new, tok.eos_token_id)
+                toks, acc = speculative_greedy(runner, p, D, K, S, args.max_new, tok.eos_token_id, temperature)
                 ref = plain_greedy(runner, p, len(toks))
                 if toks != ref:
                     raise SystemExit(f"{name} D={D} K={K} S={S}: speculative output differs from greedy")
                 rounds, emitted = rounds + len(acc), emitted + sum(acc)
-            row = {"dataset": name, "D": D, "K": K, "S": S, "rounds": rounds, "tokens": emitted,
+            row = {"dataset": name, "D": D, "K": K, "S": S, "T": temperature, "rounds": rounds, "tokens": emitted,
                    "accept_length": round(emitted / max(rounds, 1), 3), "seconds": round(time.time() - t0, 1)}
             result["results"].append(row)
             print(json.dumps(row), flush=True)

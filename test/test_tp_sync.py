@@ -3,7 +3,6 @@ still commit identical tokens; without it they would diverge (checked too, so th
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch

@@ -62,7 +62,7 @@ def enumerate_outcomes(tree: DraftTree, b: int, probs: list[torch.Tensor]) -> li
 
 def exact_check(tree: DraftTree, logits: torch.Tensor, params: list[tuple]) -> None:
     """Runs the enumeration for every request of ``tree`` and checks implementation and distribution."""
-    rows, row_of, all_outcomes = [], [], []
+    row_of, all_outcomes = [], []
     for b in range(tree.batch_size):
         probs = node_probs(logits[b], params[b])
         outcomes = enumerate_outcomes(tree, b, probs)
