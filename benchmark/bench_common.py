@@ -32,7 +32,7 @@ def tree_shape(budget: int) -> tuple[int, int]:
     The dynamic tree drafts S levels keeping the K best nodes per level, then keeps the D-1 most probable nodes.
     S = ceil(D/2) leaves about half the budget for side branches while still letting one path reach depth S; K = 4
     gives the rerank enough siblings to pick from at these budgets (EAGLE-2's rerank rarely keeps a 5th sibling
-    of a low-entropy draft). D=8 gives K=4, S=4, the shipped default; the D=8 shape table in RESULTS.md checks it.
+    of a low-entropy draft). D=8 gives K=4, S=4; the D=8 shape table in RESULTS.md compares it with the others.
     """
     return min(4, budget - 1), math.ceil(budget / 2)
 
@@ -72,6 +72,13 @@ def weights_digest(model_path: str | Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:12]
+
+
+def draft_score_temperature(model_path: str | Path) -> float:
+    """The checkpoint's calibrated draft-score temperature, as the TREE_V4 worker will use it (1.0 if none)."""
+    from sglang_tree_v4.dsv4.config import read_checkpoint_config
+    from sglang_tree_v4.spec.server_args import draft_score_temperature as read
+    return read(read_checkpoint_config(str(model_path)) or {})
 
 
 def load_records(path: Path | str) -> list[dict]:

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "ignore_eos": not args.respect_eos}
     provenance = {"model": Path(args.model_path).name, "model_sha256": bc.weights_digest(args.model_path),
-                  "device": args.device,
+                  "draft_score_temperature": bc.draft_score_temperature(args.model_path), "device": args.device,
                   "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                   "ignore_eos": not args.respect_eos}

@@ -21,6 +21,7 @@ FIELDS = {
     "dataset": str, "budget": int, "batch_size": int, "shape": str, "topk": int, "num_steps": int,
     "accept_length": float, "output_throughput": float, "mean_step_ms": float, "num_requests": int,
     "output_tokens": int, "model": str, "device": str, "sglang_version": str, "git_commit": str,
+    "draft_score_temperature": float,
 }
 
 
