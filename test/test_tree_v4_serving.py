@@ -91,6 +91,22 @@ def test_accept_length_reported(servers, greedy_outputs):
         assert info["internal_states"][0]["avg_spec_accept_length"] > 1.2
 
 
+def test_chat_completions_answer_a_gsm8k_question(servers):
+    """The OpenAI chat endpoint with the checkpoint's chat template: the embedded model writes a worked answer in
+    GSM8K's format ('#### <number>') and ends its turn, and the tree serves exactly the non-speculative answer."""
+    question = prompts.gsm8k("test")[0]["question"]
+    payload = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": 128,
+               "temperature": 0}
+    answers = {}
+    for name in ("plain", "tree"):
+        r = servers[name].post("/v1/chat/completions", payload)
+        assert r.status_code == 200, r.text
+        answers[name] = r.json()["choices"][0]
+    assert answers["tree"]["message"]["content"] == answers["plain"]["message"]["content"]
+    assert answers["tree"]["finish_reason"] == "stop"
+    assert "####" in answers["tree"]["message"]["content"]
+
+
 def test_stops_inside_accepted_blocks_match(servers):
     """Stop strings, stop token ids and max_new_tokens behave exactly as without speculation."""
     plain = servers["plain"]
@@ -145,8 +161,10 @@ def _token_counts(server, text, n, position, sampling):
 
 def test_sampling_distribution_matches(servers):
     """Tokens 1-2 (the first two speculative tokens, after the prefill's token 0) follow the target's
-    distribution: a chi-square test of homogeneity against the non-speculative server at significance 0.001."""
-    text = prompts.gsm8k("test")[3]["question"]
+    distribution: a chi-square test of homogeneity against the non-speculative server at significance 0.001. The
+    question is one on which the embedded model's first tokens are spread out (no 3-token start above ~17 %), so
+    the test has many outcomes to compare."""
+    text = prompts.gsm8k("test")[6]["question"]
     sampling = {"max_new_tokens": 3, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "ignore_eos": True}
     n = 600
     plain = _token_counts(servers["plain"], text, n, 2, sampling)
@@ -154,8 +172,10 @@ def test_sampling_distribution_matches(servers):
     keys = sorted(set(plain) | set(tree), key=lambda k: -(plain.get(k, 0) + tree.get(k, 0)))
     frequent = [k for k in keys if plain.get(k, 0) + tree.get(k, 0) >= 10]
     rows = [[plain.get(k, 0) for k in frequent], [tree.get(k, 0) for k in frequent]]
-    rows[0].append(n - sum(rows[0]))
-    rows[1].append(n - sum(rows[1]))
+    rest = [n - sum(rows[0]), n - sum(rows[1])]
+    if any(rest):  # the rare outcomes pooled into one column (absent when every outcome is frequent)
+        rows[0].append(rest[0])
+        rows[1].append(rest[1])
     assert len(frequent) >= 3, "the test needs a distribution with several likely outcomes"
     p_value = chi2_contingency(rows).pvalue
     assert p_value > 1e-3, (p_value, rows)
