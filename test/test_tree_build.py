@@ -129,6 +129,20 @@ def test_score_temperature_moves_the_tree_between_width_and_depth():
         build(0.0)
 
 
+def test_per_request_temperatures_equal_separate_builds():
+    drafter = PathHashDrafter(VOCAB, seed=9, sharpness=3.0)
+    roots = torch.tensor([4, 19, 33])
+    temps = torch.tensor([0.3, 1.0, 2.0])
+    together = build_draft_tree(roots, torch.zeros(3), drafter, 4, 3, 8, drafter.root_hidden(roots),
+                                score_temperature=temps)
+    for b in range(3):
+        alone = build_draft_tree(roots[b : b + 1], torch.zeros(1), drafter, 4, 3, 8,
+                                 drafter.root_hidden(roots[b : b + 1]), score_temperature=float(temps[b]))
+        assert together.tokens[b].tolist() == alone.tokens[0].tolist()
+        assert together.parents[b].tolist() == alone.parents[0].tolist()
+        torch.testing.assert_close(together.scores[b], alone.scores[0])
+
+
 def test_mixed_budgets_equal_separate_builds():
     drafter = PathHashDrafter(VOCAB, seed=2)
     roots = torch.tensor([1, 2, 3])

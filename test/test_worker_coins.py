@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_tree_v4.spec.worker import TreeV4Worker
+from sglang_tree_v4.spec.worker import TreeV4Worker, request_score_temperatures
 
 
 def _batch(seeds, lens):
@@ -36,3 +36,11 @@ def test_unseeded_coins_come_from_the_worker_generator():
     b = _worker(7)._coins(_batch(None, [3, 4]), 5)
     c = _worker(8)._coins(_batch(None, [3, 4]), 5)
     assert torch.equal(a.accept, b.accept) and not torch.equal(a.accept, c.accept)
+
+
+def test_score_temperature_per_request():
+    """Greedy requests (top_k = 1) use the checkpoint's fitted temperature; sampled ones their own, never sharper."""
+    temps = torch.tensor([[1.0], [1.0], [0.2], [0.7]])
+    top_ks = torch.tensor([1, 40, 40, 1 << 30])
+    got = request_score_temperatures(0.4, temps, top_ks)
+    torch.testing.assert_close(got, torch.tensor([0.4, 1.0, 0.4, 0.7]))

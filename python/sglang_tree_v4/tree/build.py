@@ -33,7 +33,7 @@ def build_draft_tree(
     num_nodes: int | torch.Tensor,
     root_parent_hidden: torch.Tensor | None = None,
     root_draft: tuple[torch.Tensor, torch.Tensor] | None = None,
-    score_temperature: float = 1.0,
+    score_temperature: float | torch.Tensor = 1.0,
 ) -> DraftTree:
     """Drafts and reranks one tree per request.
 
@@ -48,18 +48,20 @@ def build_draft_tree(
         root_draft: ``(logits [B, 1, V], hidden [B, 1, *H])`` if the caller already ran the drafter on the root
             (e.g. during draft extend); step 0 then does not call the drafter.
         score_temperature: T > 0 applied to the draft logits before the log-softmax that scores nodes (1: EAGLE-2's
-            raw draft confidence).
+            raw draft confidence); a float or ``[B]`` per request.
 
     Returns:
         The reranked :class:`DraftTree`, nodes in creation order (topological; siblings best first).
     """
     if num_steps < 1 or topk < 1:
         raise ValueError("num_steps and topk must be >= 1")
-    if not score_temperature > 0:
+    temperature = torch.as_tensor(score_temperature, dtype=torch.float32, device=root_tokens.device)
+    if not bool((temperature > 0).all()):
         raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
     batch = root_tokens.shape[0]
     device = root_tokens.device
     budget = torch.as_tensor(num_nodes, dtype=torch.long, device=device).expand(batch)
+    temperature = temperature.expand(batch)
     prefix_lens = prefix_lens.long()
     batch_idx = torch.arange(batch, device=device)[:, None]
 
@@ -107,7 +109,7 @@ def build_draft_tree(
                 )
             )
         fed = logits.shape[1]
-        logprobs, top_tokens = top_children(logits, topk, score_temperature)
+        logprobs, top_tokens = top_children(logits, topk, temperature[:, None].expand(batch, logits.shape[1]))
         scores = (frontier_score[:, :, None] + logprobs).flatten(1)
         tokens = top_tokens.flatten(1)
         pool_tokens.append(tokens)
@@ -144,21 +146,22 @@ def build_draft_tree(
     )
 
 
-def top_children(logits: torch.Tensor, topk: int, temperature: float = 1.0,
+def top_children(logits: torch.Tensor, topk: int, temperature: torch.Tensor | None = None,
                  cpu_rows_per_chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log-probs, tokens)`` of the ``topk`` most likely next tokens: ``logits [..., V]`` -> ``[..., topk]`` each,
-    log-probs of ``softmax(logits / temperature)``.
+    log-probs of ``softmax(logits / temperature)`` with ``temperature [...]`` per row (default 1).
 
     On a CPU the rows are reduced a few at a time: whole-vocabulary temporaries of many rows fall out of cache and
     cost several times more than the arithmetic.
     """
     flat = logits.reshape(-1, logits.shape[-1])
-    chunk = cpu_rows_per_chunk if flat.device.type == "cpu" else flat.shape[0]
+    temps = None if temperature is None else temperature.reshape(-1, 1).float()
+    chunk = max(cpu_rows_per_chunk if flat.device.type == "cpu" else flat.shape[0], 1)
     values, tokens = [], []
-    for rows in flat.split(max(chunk, 1)):
-        rows = rows.float()
-        if temperature != 1.0:
-            rows = rows / temperature
+    for start in range(0, flat.shape[0], chunk):
+        rows = flat[start:start + chunk].float()
+        if temps is not None:
+            rows = rows / temps[start:start + chunk]
         top, tok = rows.topk(topk, dim=-1)
         values.append(top - rows.logsumexp(-1, keepdim=True))
         tokens.append(tok)
