@@ -74,13 +74,6 @@ def weights_digest(model_path: str | Path) -> str:
     return h.hexdigest()[:12]
 
 
-def draft_score_temperature(model_path: str | Path) -> float:
-    """The checkpoint's calibrated draft-score temperature, as the TREE_V4 worker will use it (1.0 if none)."""
-    from sglang_tree_v4.dsv4.config import read_checkpoint_config
-    from sglang_tree_v4.spec.server_args import draft_score_temperature as read
-    return read(read_checkpoint_config(str(model_path)) or {})
-
-
 def load_records(path: Path | str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

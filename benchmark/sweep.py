@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
+from sglang_tree_v4.spec.server_args import checkpoint_score_temperature  # noqa: E402
 
 QUICK = {"datasets": ["gsm8k"], "budgets": [6], "batch_sizes": [1, 4], "min_prompts": 4, "max_new_tokens": 16}
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "ignore_eos": not args.respect_eos}
     provenance = {"model": Path(args.model_path).name, "model_sha256": bc.weights_digest(args.model_path),
-                  "draft_score_temperature": bc.draft_score_temperature(args.model_path), "device": args.device,
+                  "draft_score_temperature": checkpoint_score_temperature(args.model_path), "device": args.device,
                   "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                   "ignore_eos": not args.respect_eos}

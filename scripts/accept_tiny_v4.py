@@ -85,8 +85,7 @@ def plain_greedy(runner, prompt: list[int], n: int) -> list[int]:
 def prompts(tokenizer, n: int) -> dict[str, list[list[int]]]:
     out = {}
     for name, chats in (("gsm8k", data.gsm8k_chats("test")), ("mbpp", data.mbpp_chats("test"))):
-        out[name] = [tokenizer.encode(tokenizer.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True),
-                                      add_special_tokens=False) for c in chats[:n]]
+        out[name] = [data.first_turn_ids(tokenizer, c) for c in chats[:n]]
     return out
 
 
@@ -104,13 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from sglang_tree_v4.dsv4.runner import DSV4Runner
     from sglang_tree_v4.dsv4.weights import load_model
-
-    from sglang_tree_v4.dsv4.config import read_checkpoint_config
-    from sglang_tree_v4.spec.server_args import draft_score_temperature
+    from sglang_tree_v4.spec.server_args import checkpoint_score_temperature
 
     model = load_model(args.model)
     tok = AutoTokenizer.from_pretrained(args.model)
-    temperature = args.score_temperature or draft_score_temperature(read_checkpoint_config(args.model) or {})
+    temperature = args.score_temperature or checkpoint_score_temperature(args.model)
     runner = DSV4Runner(model, num_slots=8192, max_len=2048, max_reqs=4)
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
     result: dict = {"model": args.model, "max_new": args.max_new, "prompts_per_dataset": args.n,

@@ -37,9 +37,7 @@ TEMPERATURES = [round(0.05 * 1.05 ** i, 4) for i in range(76)]  # 0.05 .. ~2.0, 
 def training_prompts(tokenizer, n: int) -> dict[str, list[list[int]]]:
     sharegpt_train, _ = data.sharegpt_chats(max(n, 1), 0)
     sources = {"gsm8k": data.gsm8k_chats("train"), "mbpp": data.mbpp_chats("train"), "sharegpt": sharegpt_train}
-    return {name: [tokenizer.encode(tokenizer.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True),
-                                    add_special_tokens=False) for c in chats[:n]]
-            for name, chats in sources.items()}
+    return {name: [data.first_turn_ids(tokenizer, c) for c in chats[:n]] for name, chats in sources.items()}
 
 
 @torch.no_grad()

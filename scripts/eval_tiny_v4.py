@@ -39,9 +39,7 @@ def score_chat(model, ids: torch.Tensor) -> tuple[float, int, int, int]:
 @torch.no_grad()
 def greedy_answer(model, tokenizer, question: str, max_new: int) -> str:
     from sglang_tree_v4.dsv4.runner import DSV4Runner
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                           add_generation_prompt=True)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = data.first_turn_ids(tokenizer, [{"role": "user", "content": question}])
     runner = DSV4Runner(model, num_slots=len(ids) + max_new + 8, max_len=len(ids) + max_new + 8, max_reqs=1)
     rid = runner.add_request()
     tok = int(runner.extend([rid], [ids])[0].logits[-1].argmax())

@@ -35,6 +35,12 @@ def render(chat: Chat) -> str:
     return BOS + "".join(f"<|{m['role']}|>{m['content']}{EOS}" for m in chat)
 
 
+def first_turn_ids(tokenizer, chat: Chat) -> list[int]:
+    """Token ids of the chat's first user turn as a generation prompt (what a serving request sends)."""
+    text = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _jsonl(name: str) -> list[dict]:
     with open(DATA / name) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -97,6 +97,11 @@ def draft_score_temperature(cfg: dict) -> float:
     return float(value)
 
 
+def checkpoint_score_temperature(model_path: str) -> float:
+    """``draft_score_temperature`` of the checkpoint at ``model_path`` (1.0 without a readable config.json)."""
+    return draft_score_temperature(read_checkpoint_config(model_path) or {})
+
+
 def handle_server_args(server_args) -> None:
     """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared)."""
     draft_score_temperature(validate_model(server_args.model_path))

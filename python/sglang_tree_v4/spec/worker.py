@@ -34,8 +34,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
 from ..tree import SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from .mtp_drafter import MTPTreeDrafter, catch_up
-from ..dsv4.config import read_checkpoint_config
-from .server_args import TreeBudget, draft_score_temperature
+from .server_args import TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ class TreeV4Worker(BaseSpecWorker):
                              f"{type(self.adapter).__name__}")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
-        self.score_temperature = draft_score_temperature(read_checkpoint_config(server_args.model_path) or {})
+        self.score_temperature = checkpoint_score_temperature(server_args.model_path)
         logger.info("TREE_V4 worker: D=%d K=%d S=%d, draft score temperature %.3g", *vars(self.budget).values(),
                     self.score_temperature)
 

@@ -61,7 +61,7 @@ def build_draft_tree(
     batch = root_tokens.shape[0]
     device = root_tokens.device
     budget = torch.as_tensor(num_nodes, dtype=torch.long, device=device).expand(batch)
-    temperature = temperature.expand(batch)
+    temperature = None if bool((temperature == 1).all()) else temperature.expand(batch)  # 1: no rescaling
     prefix_lens = prefix_lens.long()
     batch_idx = torch.arange(batch, device=device)[:, None]
 
@@ -109,7 +109,8 @@ def build_draft_tree(
                 )
             )
         fed = logits.shape[1]
-        logprobs, top_tokens = top_children(logits, topk, temperature[:, None].expand(batch, logits.shape[1]))
+        row_temperature = None if temperature is None else temperature[:, None].expand(batch, fed)
+        logprobs, top_tokens = top_children(logits, topk, row_temperature)
         scores = (frontier_score[:, :, None] + logprobs).flatten(1)
         tokens = top_tokens.flatten(1)
         pool_tokens.append(tokens)
