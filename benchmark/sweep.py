@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
-from sglang_tree_v4.spec.server_args import checkpoint_score_temperature  # noqa: E402
+from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature  # noqa: E402
 
 QUICK = {"datasets": ["gsm8k"], "budgets": [6], "batch_sizes": [1, 4], "min_prompts": 4, "max_new_tokens": 16}
 

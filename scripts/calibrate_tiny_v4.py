@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_v4_data as data  # noqa: E402
 import tiny_v4_model as tm  # noqa: E402
-from accept_tiny_v4 import plain_greedy  # noqa: E402
+from sglang_tree_v4.speculative.offline import plain_greedy  # noqa: E402
 
 TEMPERATURES = [round(0.05 * 1.05 ** i, 4) for i in range(76)]  # 0.05 .. ~2.0, 5% apart
 

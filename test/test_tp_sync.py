@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_tree_v4.spec.tp_sync import broadcast_verdict
+from sglang_tree_v4.speculative.tp_sync import broadcast_verdict
 from sglang_tree_v4.tree import DraftTree, SamplingParams, verify_sampling
 from sglang_tree_v4.tree.synthetic import distinct_tokens, random_parents
 

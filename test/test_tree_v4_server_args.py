@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tree_v4.spec.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, draft_score_temperature,
+from sglang_tree_v4.speculative.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, draft_score_temperature,
                                              max_tree_nodes, validate_budget, validate_model)
 from sglang_tree_v4 import launcher as srv
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_tree_v4.spec.worker import TreeV4Worker, request_score_temperatures
+from sglang_tree_v4.speculative.worker import TreeV4Worker, request_score_temperatures
 
 
 def _batch(seeds, lens):

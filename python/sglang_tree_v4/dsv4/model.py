@@ -10,45 +10,16 @@ same code with a throw-away store of ``B*T`` slots.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from .attention import Attention
+from .block import Block, ModelOutput
 from .config import DSV4Config
-from .hyper import HyperConnection, HyperHead
-from .moe import MoE
+from .hyper import HyperHead
+from .mtp import MTPBlock
 from .norm import RMSNorm
 from .rope import Rope, ropes_for
 from .storage import ForwardBatch, SlotStore, SlotTable, model_layouts
-
-
-class Block(nn.Module):
-    """HC-pre -> RMSNorm -> attention -> HC-post, then the same around the MoE."""
-
-    def __init__(self, cfg: DSV4Config, ratio: int, hashed: bool):
-        super().__init__()
-        self.ratio = ratio
-        self.attn = Attention(cfg, ratio)
-        self.ffn = MoE(cfg, hashed)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        args = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.hc_attn = HyperConnection(*args)
-        self.hc_ffn = HyperConnection(*args)
-
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
-        x, post, comb = self.hc_attn.pre(h)
-        h = HyperConnection.post(self.attn(self.attn_norm(x), fb, store, layer, rope), h, post, comb)
-        x, post, comb = self.hc_ffn.pre(h)
-        return HyperConnection.post(self.ffn(self.ffn_norm(x), fb.input_ids), h, post, comb)
-
-
-@dataclass
-class ModelOutput:
-    logits: torch.Tensor  # [N, vocab]
-    streams: torch.Tensor  # [N, hc_mult, hidden]: last block's output before the HC head (MTP input)
 
 
 class DSV4Model(nn.Module):
@@ -63,7 +34,6 @@ class DSV4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.ropes = ropes_for(cfg)
         if with_mtp and cfg.num_nextn_predict_layers > 0:
-            from .mtp import MTPBlock
             self.mtp = nn.ModuleList([MTPBlock(cfg) for _ in range(cfg.num_nextn_predict_layers)])
         else:
             self.mtp = nn.ModuleList()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .config import DSV4Config
-from .model import Block, ModelOutput
+from .block import Block, ModelOutput
 from .hyper import HyperHead
 from .norm import RMSNorm
 from .storage import ForwardBatch, SlotStore, mtp_layouts

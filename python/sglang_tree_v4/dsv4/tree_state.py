@@ -18,7 +18,7 @@ Trees are plain tensors, padded per batch like the tree core's ``DraftTree``: ``
    compressor state is "rows at positions", this is the entire refresh: the open-window rows, the entries the
    path closed and the raw keys land exactly where sequential decoding would have written them. Scratch slots of
    rejected nodes are simply released (nothing committed needs clearing). The MTP layer's window keys for the
-   accepted positions are recomputed from the target's verify streams (``mtp_draft``), as SGLang's draft extend
+   accepted positions are recomputed from the target's verify streams (the MTP catch-up), as SGLang's draft extend
    does, since draft-time MTP rows came from the MTP's own streams.
 """
 from __future__ import annotations
@@ -169,7 +169,7 @@ class TreeVerifier:
     @property
     def stores(self) -> list[SlotStore]:
         """What commit moves: the target store. The MTP store's rows of accepted positions are recomputed from
-        the target's streams by the MTP refresh (``mtp_draft.MTPTreeDrafter.refresh``), because draft-time MTP
+        the target's streams by the MTP catch-up (``DSV4Runner.mtp_extend``), because draft-time MTP
         rows were computed from the MTP's own streams, not the target's."""
         return [self.r.store]
 

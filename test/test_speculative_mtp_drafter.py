@@ -1,0 +1,99 @@
+"""The MTP tree drafter (the one the SGLang worker and the offline loop use) drafts every node exactly as running
+the MTP layer sequentially down that node's path alone would, and leaves the committed MTP rows untouched.
+
+The oracle is the plainest possible MTP chain: a fork of the request gets fresh slots for positions L, L+1, ... and
+the MTP runs one query at a time with the ordinary causal slot table (no tree tables, no ancestor lists). Checked on
+a random tiny V4 with a prompt longer than the sliding window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tree_v4.dsv4.config import DSV4Config
+from sglang_tree_v4.dsv4.model import DSV4Model
+from sglang_tree_v4.dsv4.mtp import mtp_forward
+from sglang_tree_v4.dsv4.runner import DSV4Runner
+from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
+from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter
+from sglang_tree_v4.tree import build_draft_tree
+from support.tiny_v4 import randomize, tiny_config
+
+D, K, S = 8, 3, 4
+
+
+def _model() -> DSV4Model:
+    model = DSV4Model(DSV4Config.from_dict(tiny_config(96, hca_ratio=8, window=16)), with_mtp=True).eval()
+    randomize(model, seed=5)
+    return model
+
+
+def _prefilled(model, prompt):
+    """A runner with the prompt prefilled and the MTP caught up; returns the root draft (logits, streams)."""
+    runner = DSV4Runner(model, num_slots=512, max_len=128, max_reqs=4)
+    rid = runner.add_request()
+    out = runner.extend([rid], [prompt])[0]
+    bonus = int(out.logits[-1].argmax())
+    root = runner.mtp_extend([rid], [prompt[1:] + [bonus]], [out.streams])[0]
+    return runner, rid, bonus, root.logits[-1], root.streams[-1]
+
+
+@torch.no_grad()
+def _chain_alone(runner, rid, root_streams, path):
+    """MTP logits of the last node of ``path`` (tokens from depth 1), drafted one node at a time on a fork."""
+    L = runner.lens[rid]
+    fork = runner.fork(rid)
+    fresh = runner.alloc.alloc(len(path))
+    runner.req_table[fork, L:L + len(path)] = torch.tensor(fresh)
+    hidden = root_streams[None]
+    for depth, tok in enumerate(path, start=1):
+        pos = torch.tensor([L + depth - 1])
+        req = torch.tensor([fork])
+        fb = ForwardBatch(torch.tensor([tok]), pos, runner.req_table[fork, pos],
+                          SlotTable.for_requests(runner.req_table, req, pos))
+        out = mtp_forward(runner.model, fb, hidden, runner.mtp_store)
+        hidden = out.streams
+    runner.req_table[fork, L:L + len(path)] = -1
+    runner.alloc.release(fresh)
+    runner.release(fork)
+    return out.logits[0]
+
+
+@pytest.mark.parametrize("prompt_len", [37, 13])  # longer than the window (16) and shorter
+@torch.no_grad()
+def test_tree_drafts_equal_sequential_chain_and_leave_committed_rows(prompt_len):
+    model = _model()
+    prompt = torch.randint(0, 96, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    runner, rid, bonus, root_logits, root_streams = _prefilled(model, prompt)
+    L = runner.lens[rid]
+    committed = runner.slots_of(rid)
+    before = runner.mtp_store.checksum(committed)
+    runner.req_table[rid, L:L + D + K * S] = torch.tensor(runner.alloc.alloc(D + K * S))
+    drafter = MTPTreeDrafter(model, runner.mtp_store, runner.req_table[rid:rid + 1], torch.tensor([L]), D, K)
+    fed = []
+
+    def recording(step):
+        logits, hidden = drafter(step)
+        fed.append((step, logits))
+        return logits, hidden
+
+    build_draft_tree(torch.tensor([bonus]), torch.tensor([L]), recording, S, K, D,
+                     root_draft=(root_logits[None, None], root_streams[None, None]))
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.mtp_store.checksum(committed)))
+    token_parent = {0: (bonus, -1)}
+    for step, _ in fed:
+        for i in range(step.tokens.shape[1]):
+            token_parent[int(step.slots[0, i])] = (int(step.tokens[0, i]), int(step.parent_slots[0, i]))
+    checked = 0
+    for step, logits in fed:
+        for i in range(step.tokens.shape[1]):
+            path, slot = [], int(step.slots[0, i])
+            while slot != 0:
+                path.append(token_parent[slot][0])
+                slot = token_parent[slot][1]
+            path.reverse()
+            torch.testing.assert_close(logits[0, i], _chain_alone(runner, rid, root_streams, path),
+                                       rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked == K * (S - 1)
+    assert max(step.step for step, _ in fed) == S - 1  # draft steps 1 .. S-1 were all fed and checked
