@@ -34,7 +34,7 @@ def hf_config(vocab: int, bos: int, eos: int, hidden: int = 128, hca_ratio: int 
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0},
                             "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4,
                                          "original_max_position_embeddings": 1024, "beta_fast": 32,
-                                         "beta_slow": 1}},
+                                         "beta_slow": 1, "attention_factor": 1.0}},
         "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
         "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
     }

@@ -1,4 +1,6 @@
 """DeepSeek-V4 target model vs HF transformers' DeepseekV4ForCausalLM (tiny configs, random weights, fp32)."""
+import math
+
 import pytest
 import torch
 
@@ -146,3 +148,50 @@ def test_bf16_runs_and_mostly_agrees():
     assert got.dtype == torch.float32 and r.store.buffers[0].dtype == torch.bfloat16
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.7
     assert r.mtp_extend([rid], [ids[1:40]], [out.streams])[0].logits.shape == (39, ours.cfg.vocab_size)
+
+
+NESTED_YARN = {"main": {"rope_type": "default", "rope_theta": 10000.0},
+               "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
+                            "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}}
+
+
+@pytest.mark.parametrize("attention_factor", [1.3, None], ids=["explicit-1.3", "absent-inferred"])
+def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
+    """A nested ``rope_parameters`` config whose compress YaRN carries ``attention_factor`` (or leaves it to be
+    inferred, 0.1 ln 16 + 1 = 1.277): transformers scales cos/sin by it, and so must we. The config travels through
+    ``save_pretrained``'s config.json; a model that ignores the factor is shown to disagree (the check has power)."""
+    import copy
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from sglang_tree_v4.dsv4.config import DSV4Config
+    from sglang_tree_v4.dsv4.model import DSV4Model
+    from sglang_tree_v4.dsv4.weights import load_state
+
+    rp = copy.deepcopy(NESTED_YARN)
+    if attention_factor is not None:
+        rp["compress"]["attention_factor"] = attention_factor
+    d = build_hf(8, seed=11).config.to_dict()
+    d["rope_parameters"] = rp
+    torch.manual_seed(11)
+    cfg = DeepseekV4Config(**{k: v for k, v in d.items() if k != "transformers_version"})
+    cfg._experts_implementation = "eager"
+    hf = DeepseekV4ForCausalLM(cfg).eval().float()
+    from dsv4_tiny import randomize_zero_inits
+    randomize_zero_inits(hf, cfg.vocab_size, cfg.n_routed_experts, 11)
+    expected = 1.3 if attention_factor else 0.1 * math.log(16) + 1
+    assert hf.model.rotary_emb.compress_attention_scaling == pytest.approx(expected)
+    cfg.save_pretrained(tmp_path)
+    ours_cfg = DSV4Config.from_pretrained(str(tmp_path))
+    assert ours_cfg.rope_scaling["attention_factor"] == pytest.approx(expected)
+    ids = _ids(120, seed=12)
+    ref = hf_logits(hf, ids)
+
+    def logits(c):
+        m = DSV4Model(c, with_mtp=False).eval()
+        load_state(m, hf.state_dict())
+        with torch.no_grad():
+            return m.forward_sequences(ids[None]).logits[0]
+
+    assert rel_err(logits(ours_cfg), ref) <= TOL
+    ignoring = DSV4Config.from_dict({**ours_cfg.to_deepseek_dict(),
+                                     "rope_scaling": {**ours_cfg.rope_scaling, "attention_factor": 1.0}})
+    assert rel_err(logits(ignoring), ref) > 100 * TOL

@@ -35,7 +35,8 @@ def tiny_config(vocab: int, hca_ratio: int = 8, window: int = 16) -> dict:
         "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0},
                             "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
-                                         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1}},
+                                         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                                         "attention_factor": 1.0}},
         "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
     }

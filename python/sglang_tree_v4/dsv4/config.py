@@ -12,6 +12,7 @@ names the offending key, because a silently misread config produces a model that
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -171,26 +172,30 @@ class DSV4Config:
                    "the main rope must be plain RoPE")
             ctype = comp.get("rope_type", comp.get("type", "default"))
             _check(ctype in ("default", "yarn"), "rope_parameters.compress", f"unsupported rope type {ctype!r}")
+            rs = None
             if ctype == "yarn":
-                af = comp.get("attention_factor", 1.0)
-                _check(af in (None, 1.0), "rope_parameters.compress.attention_factor",
-                       f"V4 does not scale cos/sin (attention_factor must be 1.0, got {af})")
-            rs = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")} \
-                if ctype == "yarn" else None
+                # transformers multiplies this rope's cos/sin by ``attention_factor``; when the key is absent it
+                # infers YaRN's mscale from ``factor`` (and ``mscale`` / ``mscale_all_dim``). Same here.
+                rs = {k: v for k, v in comp.items() if k not in ("rope_theta", "partial_rotary_factor")}
+                rs["attention_factor"] = _yarn_attention_factor(comp, "rope_parameters.compress")
         else:  # flat legacy rope_parameters: YaRN params for the compress rope
             theta = float(d.get("rope_theta", 10000.0))
             ctheta = float(d.get("compress_rope_theta", 160000.0))
             t = rp.get("rope_type", rp.get("type", "default")) if rp else "default"
-            rs = dict(rp) if t == "yarn" else None
+            rs = dict(rp) if t == "yarn" else None  # transformers sets attention_factor 1.0 unless one is given
         return cls._build(d, n, ratios, [t == "hash_moe" for t in mlp], head_dim, rope_dim, theta, ctheta, rs,
                           _known=_HF_KEYS)
 
     @classmethod
     def _build(cls, d, n, ratios, hash_layers, head_dim, rope_dim, theta, ctheta, rs, _known) -> "DSV4Config":
-        if rs is not None:  # canonical YaRN dict (cos/sin are never scaled in V4, so no attention factor)
+        if rs is not None:  # canonical YaRN dict; V4's reference never scales cos/sin unless a factor is given
+            af = rs.get("attention_factor")
+            af = 1.0 if af is None else float(af)
+            _check(af > 0, "rope_parameters.compress.attention_factor", f"must be positive, got {af}")
             rs = {"type": rs.get("type", rs.get("rope_type")), "factor": rs.get("factor"),
                   "original_max_position_embeddings": rs.get("original_max_position_embeddings"),
-                  "beta_fast": rs.get("beta_fast") or 32, "beta_slow": rs.get("beta_slow") or 1}
+                  "beta_fast": rs.get("beta_fast") or 32, "beta_slow": rs.get("beta_slow") or 1,
+                  "attention_factor": af}
         nkv = int(d.get("num_key_value_heads", 1))
         _check(nkv == 1, "num_key_value_heads", f"V4 is single-KV-head MQA (K = V), got {nkv}")
         ignored = tuple(sorted(k for k in d if k not in _known))
@@ -232,7 +237,7 @@ class DSV4Config:
             "scoring_func": self.scoring_func, "routed_scaling_factor": self.routed_scaling_factor,
             "swiglu_limit": self.swiglu_limit, "rope_theta": self.rope_theta,
             "compress_rope_theta": self.compress_rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_scaling": _deepseek_rope_scaling(self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps, "num_nextn_predict_layers": self.num_nextn_predict_layers,
             "max_position_embeddings": self.max_position_embeddings,
         }
@@ -251,6 +256,29 @@ def is_deepseek_v4(raw: Mapping[str, Any] | None) -> bool:
     """Whether a raw checkpoint config describes DeepSeek-V4 (either layout)."""
     return raw is not None and (raw.get("model_type") == "deepseek_v4"
                                 or "DeepseekV4ForCausalLM" in (raw.get("architectures") or []))
+
+
+def _yarn_attention_factor(yarn: Mapping[str, Any], key: str) -> float:
+    """The cos/sin scale of a YaRN rope as transformers computes it: ``attention_factor`` if given, else
+    ``0.1 ln(factor) + 1`` (or the ratio of that with ``mscale`` over ``mscale_all_dim`` when both are given)."""
+    if yarn.get("attention_factor") is not None:
+        return float(yarn["attention_factor"])
+    factor = yarn.get("factor")
+    _check(factor is not None, f"{key}.factor", "missing")
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+
+
+def _deepseek_rope_scaling(rs: Mapping[str, Any] | None) -> dict | None:
+    """DeepSeek's ``rope_scaling``: the attention factor is written only where it scales (DeepSeek's own code
+    applies none)."""
+    if not rs:
+        return None
+    return {k: v for k, v in rs.items() if k != "attention_factor" or v != 1.0}
 
 
 def _hash_prefix(flags: tuple[bool, ...]) -> int:

@@ -3,7 +3,8 @@
 Only the LAST ``rope_dim`` channels of a vector rotate, in consecutive pairs (2i, 2i+1). Two frequency tables
 exist: ``main`` (plain RoPE at ``rope_theta``, used by sliding-window-only layers and the MTP layer) and
 ``compress`` (``compress_rope_theta`` with YaRN, used for everything inside CSA/HCA layers: q, the window key, the
-compressed entries and the indexer's q and keys). YaRN here never scales cos/sin (attention factor 1).
+compressed entries and the indexer's q and keys). V4's reference never scales cos/sin; a config may still carry a
+YaRN ``attention_factor`` (transformers multiplies both cos and sin by it, in every use), and then so does ``Rope``.
 
 Because V = K carries the key's rotation, the attention output's rope slice is rotated back by the query position
 (``rotate(x, -position)``) before the output projection.
@@ -46,10 +47,13 @@ class Rope:
     def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
         self.rope_dim = rope_dim
         self.inv_freq = inv_freq(rope_dim, theta, yarn)
+        self.scale = float((yarn or {}).get("attention_factor") or 1.0)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ang = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return ang.cos(), ang.sin()
+        if self.scale == 1.0:
+            return ang.cos(), ang.sin()
+        return ang.cos() * self.scale, ang.sin() * self.scale
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the trailing ``rope_dim`` channels of ``x [..., H?, D]``; cos/sin are ``[..., rope_dim/2]`` and
