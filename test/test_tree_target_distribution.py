@@ -140,3 +140,37 @@ def test_large_vocabulary_rows_through_every_path():
     logits[0, 7] += 12.0  # peaked: the top candidates decide
     grid = [(1.0, -1, 0.9, 0.0), (1.0, -1, 0.9, 0.0), (0.7, -1, 0.5, 0.02), (1.0, 5000, 0.95, 0.0), (1.2, -1, 1.0, 0.0)]
     run_grid(logits, grid, (64, 1024))
+
+
+def _sglang_processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """SGLang 0.5.23's own torch sampler on one row: the temperature and softmax of ``Sampler.forward``, then
+    ``top_k_top_p_min_p_sampling_from_probs_torch``'s filtered weights (``return_filtered_probs``), scattered back
+    to token order and renormalised (multinomial sampling normalises them)."""
+    from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
+
+    vocab = logits.shape[0]
+    probs = torch.softmax(logits.float()[None] / temperature, dim=-1)
+    _, weights, order, _ = top_k_top_p_min_p_sampling_from_probs_torch(
+        probs, torch.tensor([top_k if top_k > 0 else vocab]), torch.tensor([top_p]), torch.tensor([min_p]),
+        need_min_p_sampling=min_p > 0, sampling_seed=None, positions=torch.zeros(1, dtype=torch.long),
+        return_filtered_probs=True)
+    out = torch.zeros(vocab, dtype=torch.float64).scatter_(0, order[0].long(), weights[0].double())
+    return out / out.sum()
+
+
+SAMPLER_GRID = list(itertools.product([0.4, 1.0, 1.7], [-1, 3, 40], [1.0, 0.9, 0.3], [0.0, 0.05, 0.4]))
+
+
+def test_reference_row_equals_sglang_sampler():
+    """The reference semantics the exact tests use (``reference_row``) against SGLang's own sampler code on the same
+    logits and parameters (seeded random logits, plus rows with ties and a peaked row)."""
+    g = torch.Generator().manual_seed(2024)
+    rows = [torch.randn(257, generator=g) * s for s in (0.5, 2.0, 6.0)]
+    ties = torch.randint(0, 4, (257,), generator=g).float()  # many exact ties
+    for i, logits in enumerate(rows + [ties]):
+        for t, k, p, m in SAMPLER_GRID:
+            want = _sglang_processed(logits, t, k, p, m)
+            got = reference_row(logits, t, k, p, m)
+            if i == len(rows):  # which of equal tokens a cutoff keeps is unspecified in SGLang: compare the masses
+                got, want = got.sort().values, want.sort().values
+            assert (got - want).abs().sum() < 1e-5, f"row {i}: T={t} top_k={k} top_p={p} min_p={m}"

@@ -1,0 +1,91 @@
+"""Negative controls for the end-to-end checks, injected into a test server and nowhere else.
+
+A server started with this folder on ``PYTHONPATH`` and ``TREE_V4_TEST_MUTATION=<name>`` imports this file at
+interpreter start (Python's ``sitecustomize`` hook) in every process it runs; a module named below is patched right
+after it is first imported, before anyone binds its names. The product code carries no hook for this.
+
+* ``wrong_token``: the greedy verifier emits one wrong token: in the first round that verifies a batch of two or
+  more requests (not the server's single warm-up request), request 0's bonus token + 1.
+* ``leak_aborted``: the KV release of aborted requests is skipped (their slots are never freed).
+* ``biased_accept``: stochastic acceptance accepts every draft with probability ``min(1, p + 0.02)``
+  (each acceptance coin lowered by 0.02).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+
+MUTATION = os.environ.get("TREE_V4_TEST_MUTATION", "")
+
+
+def _wrong_token(worker) -> None:
+    original = worker.verify_greedy
+    done = [False]
+
+    def verify_greedy(tree, logits):
+        result = original(tree, logits)
+        if not done[0] and tree.tokens.shape[0] >= 2:
+            done[0] = True
+            last = int(result.accept_lens[0]) - 1
+            result.tokens[0, last] = (result.tokens[0, last] + 1) % logits.shape[-1]
+        return result
+
+    worker.verify_greedy = verify_greedy
+
+
+def _leak_aborted(common) -> None:
+    original = common.release_kv_cache
+
+    def release_kv_cache(req, tree_cache, *, checkpoint):
+        if type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT":
+            return  # forget to free the aborted request
+        return original(req, tree_cache, checkpoint=checkpoint)
+
+    common.release_kv_cache = release_kv_cache
+
+
+def _biased_accept(worker) -> None:
+    original = worker.verify_sampling
+
+    def verify_sampling(tree, logits, params, generator=None, coins=None):
+        coins = worker.VerifyCoins((coins.accept - 0.02).clamp(min=0.0), coins.bonus)
+        return original(tree, logits, params, generator, coins)
+
+    worker.verify_sampling = verify_sampling
+
+
+PATCHES = {
+    "wrong_token": ("sglang_tree_v4.speculative.worker", _wrong_token),
+    "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
+    "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
+}
+
+
+class _PatchAfterImport:
+    """A meta-path finder that lets the normal finder locate ``target`` and patches the module once executed."""
+
+    def __init__(self, target: str, patch):
+        self.target, self.patch = target, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if MUTATION:
+    if MUTATION not in PATCHES:
+        raise SystemExit(f"TREE_V4_TEST_MUTATION: unknown mutation {MUTATION!r}; known: {sorted(PATCHES)}")
+    sys.meta_path.insert(0, _PatchAfterImport(*PATCHES[MUTATION]))

@@ -1,0 +1,184 @@
+"""End-to-end checks of a served TREE_V4, shared by the serving tests and their negative controls (the same check
+must pass on the real server and fail on a server with an injected fault: ``support/mutations``).
+
+* ``assert_speculation_exercised``: outputs of a greedy-identity check really went through accepted drafts.
+* ``idle_used_tokens_after_load``: 200 mixed requests, 20 dropped mid-stream, then the idle server's token pool,
+  read without flushing anything.
+* ``sampled_position_stats``: sampled continuations scored against the target's exact conditional distributions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import torch
+
+from sglang_tree_v4 import launcher, prompts
+
+MUTATIONS_DIR = Path(__file__).resolve().parent / "mutations"
+
+
+def launch_mutated(model, args: list[str], mutation: str, log: Path) -> launcher.Server:
+    """A server with one injected fault (see ``mutations/sitecustomize.py``)."""
+    path = os.pathsep.join(p for p in (str(MUTATIONS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env = launcher.clean_env(PYTHONPATH=path, TREE_V4_TEST_MUTATION=mutation)
+    return launcher.launch(model, args, log=log, env=env)
+
+
+def assert_speculation_exercised(outputs: list[dict]) -> None:
+    """Every emitted token after the prefill's comes from a verify round that emits its accepted drafts plus one, so
+    ``tokens - 1 - verify rounds`` is a lower bound of the accepted drafts of a request."""
+    tokens = sum(len(o["output_ids"]) for o in outputs)
+    rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outputs)
+    accepted = sum(len(o["output_ids"]) - 1 - o["meta_info"]["spec_verify_ct"] for o in outputs)
+    assert rounds > 0, "no verify round ran"
+    assert accepted > 0 and rounds < tokens, f"no draft accepted: {rounds} verify rounds for {tokens} tokens"
+
+
+# --- leaks -----------------------------------------------------------------------------------------------------
+def _loads(server) -> dict:
+    loads = requests.get(server.url + "/v1/loads", timeout=30).json()["loads"]
+    return {k: sum(entry[k] for entry in loads) for k in ("num_used_tokens", "num_running_reqs", "num_waiting_reqs")}
+
+
+def idle_used_tokens_after_load(server, n: int = 200, dropped: int = 20, seed: int = 0) -> int:
+    """Token slots still held once the server is idle after ``n`` mixed requests (greedy and sampled, short and
+    long), ``dropped`` of them streamed and abandoned by the client after their first chunk.
+
+    Read from ``/v1/loads`` (``num_used_tokens`` = capacity - free - evictable radix entries), never after a
+    ``/flush_cache``, which resets the allocator and would hide a leak. 0 means no leak."""
+    texts = [r["question"] for r in prompts.gsm8k("test")[40:90]]
+    rng = torch.Generator().manual_seed(seed)
+    drop_at = set(torch.randperm(n, generator=rng)[:dropped].tolist())
+
+    def one(i: int):
+        sampling = {"max_new_tokens": 4 + i % 29, "ignore_eos": True,
+                    "temperature": 0.0 if i % 3 == 0 else 0.8, "top_p": 0.95}
+        payload = {"text": texts[i % len(texts)] + f" ({i})", "sampling_params": sampling}
+        if i not in drop_at:
+            return server.generate(payload)
+        sampling["max_new_tokens"] = 400
+        with requests.post(server.url + "/generate", json={**payload, "stream": True}, stream=True,
+                           timeout=120) as resp:
+            next(resp.iter_lines())  # the first chunk, then the client goes away
+        return None
+
+    before = _loads(server)["num_used_tokens"]
+    with cf.ThreadPoolExecutor(24) as pool:
+        outs = list(pool.map(one, range(n)))
+    assert sum(o is not None for o in outs) == n - dropped
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        load = _loads(server)
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0 and load["num_used_tokens"] == before:
+            break
+        time.sleep(1)
+    return _loads(server)["num_used_tokens"] - before
+
+
+# --- sampled losslessness --------------------------------------------------------------------------------------
+Z_CRITICAL = 3.5  # two-sided p = 4.7e-4 per statistic; 2 statistics x 3 servers: a false alarm in < 0.3 % of runs
+Z_POWER = 1.2816  # one-sided standard normal quantile for power 0.9
+TV_DISTORTION = 0.02
+SETTINGS = ({"temperature": 1.0},
+            {"temperature": 0.6, "top_p": 0.9},
+            {"temperature": 1.0, "top_k": 20, "min_p": 0.05})
+
+
+@dataclass
+class SampledStats:
+    positions: int  # scored (sample, position) pairs
+    z: dict  # statistic -> z score
+    variance: dict  # statistic -> mean Bernoulli variance per position
+    mean_verify_rounds: float
+
+    def required_positions(self, name: str) -> int:
+        return math.ceil(((Z_CRITICAL + Z_POWER) / TV_DISTORTION) ** 2 * self.variance[name])
+
+
+def sampling_cases(model_path, n_prompts: int = 3) -> list[tuple[list[int], dict]]:
+    """(prompt ids, sampling setting) pairs: the first GSM8K test questions in the checkpoint's chat template, each
+    with every one of ``SETTINGS``."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    cases = []
+    for record in prompts.gsm8k("test")[:n_prompts]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": record["question"]}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cases += [(ids, setting) for setting in SETTINGS]
+    return cases
+
+
+def sample_continuations(server, prompt_ids: list[int], setting: dict, n: int, new_tokens: int) -> list[dict]:
+    payload = {"input_ids": [prompt_ids] * n,
+               "sampling_params": {**setting, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    return server.generate(payload)
+
+
+@torch.no_grad()
+def score_against_target(model, prompt_ids: list[int], setting: dict, samples: list[list[int]]):
+    """Per sample and position j >= 1 (the speculative ones; position 0 is the prefill's own sample): whether the
+    sampled token is the target's top-1 / among its top-3 under the processed conditional distribution, and those
+    probabilities. Conditionals come from our model run teacher-forced on the sampled prefix (the same checkpoint
+    and float32 math as the server), processed like SGLang's sampler (``tree.target_probs``)."""
+    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.tree import SamplingParams, target_probs
+
+    chunk = 64
+    m = len(samples[0])
+    runner = DSV4Runner(model, num_slots=len(prompt_ids) + chunk * m + 16, max_len=len(prompt_ids) + m + 1,
+                        max_reqs=chunk + 1)
+    root = runner.add_request()
+    runner.extend([root], [prompt_ids])
+    hits = {"top1": [], "top3": []}
+    probs_of = {"top1": [], "top3": []}
+    for lo in range(0, len(samples), chunk):
+        part = samples[lo:lo + chunk]
+        rids = [runner.fork(root) for _ in part]
+        outs = runner.extend(rids, [s[:-1] for s in part])  # logits predicting tokens 1 .. m-1
+        logits = torch.cat([o.logits for o in outs])
+        params = SamplingParams.uniform(logits.shape[0], setting.get("temperature", 1.0), setting.get("top_k", -1),
+                                        setting.get("top_p", 1.0), setting.get("min_p", 0.0))
+        p = target_probs(logits, params).double()
+        sampled = torch.tensor([s[1:] for s in part]).reshape(-1)
+        top = p.topk(3, dim=-1)
+        hits["top1"].append((top.indices[:, 0] == sampled).double())
+        probs_of["top1"].append(top.values[:, 0])
+        hits["top3"].append((top.indices == sampled[:, None]).any(-1).double())
+        probs_of["top3"].append(top.values.sum(-1))
+        for rid in rids:
+            runner.release(rid)
+    return ({k: torch.cat(v) for k, v in hits.items()}, {k: torch.cat(v) for k, v in probs_of.items()})
+
+
+def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n: int, new_tokens: int
+                           ) -> SampledStats:
+    """Pooled over cases, samples and positions, for each statistic: ``z = sum(hit - P) / sqrt(sum P (1 - P))``.
+
+    Under exact sampling the hits of successive positions are Bernoulli(P) given the past, so the sum is a
+    martingale and z is standard normal (by the martingale central limit theorem) whatever the dependence
+    between positions."""
+    hits_all, probs_all, rounds, count = {"top1": [], "top3": []}, {"top1": [], "top3": []}, 0, 0
+    for prompt_ids, setting in cases:
+        outs = sample_continuations(server, prompt_ids, setting, n, new_tokens)
+        assert all(len(o["output_ids"]) == new_tokens for o in outs)
+        rounds += sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        count += len(outs)
+        hits, probs = score_against_target(model, prompt_ids, setting, [o["output_ids"] for o in outs])
+        for k in hits_all:
+            hits_all[k].append(hits[k])
+            probs_all[k].append(probs[k])
+    z, variance = {}, {}
+    for k in hits_all:
+        h, p = torch.cat(hits_all[k]), torch.cat(probs_all[k])
+        var = p * (1 - p)
+        z[k] = float((h - p).sum() / var.sum().sqrt())
+        variance[k] = float(var.mean())
+    return SampledStats(int(torch.cat(hits_all["top1"]).numel()), z, variance, rounds / max(count, 1))
