@@ -5,7 +5,7 @@ import torch
 
 from dsv4_tiny import build_hf, ours_from_hf, rel_err
 from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.weights import convert_state, deepseek_state, load_model, save_checkpoint, to_internal
+from sglang_tree_v4.dsv4.weights import load_model, save_checkpoint, to_internal
 
 N = 60
 
@@ -56,8 +56,7 @@ def _hf_parts_mtp(hf, ours):
     layer = M.DeepseekV4DecoderLayer(cfg, 0).eval()
     head = M.DeepseekV4HyperHead(cfg).eval()
     rot = M.DeepseekV4RotaryEmbedding(cfg)
-    st = {k: v for k, v in deepseek_state(ours).items() if k.startswith("mtp.0.")}
-    mine = convert_state(st)
+    mine = {k: v for k, v in ours.state_dict().items() if k.startswith("mtp.0.")}
     inv = {}  # our module name -> HF layer name, by converting HF names forward
     for k in layer.state_dict():
         inv[to_internal("model.layers.0." + k)[len("layers.0."):]] = k

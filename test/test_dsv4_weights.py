@@ -155,11 +155,16 @@ def test_fp8_block_scaled_weights_are_dequantised(tiny, tmp_path):
     assert 0 < rel_err(got, ref) < 0.1  # quantisation noise only
 
 
-def test_fp4_experts_are_refused_by_name(tiny):
+def test_fp4_experts_are_dequantised_into_a_dense_model(tiny):
+    """FP4 e2m1 experts (two per byte, low nibble first, per-32 e8m0 scales) fed to a dense model are dequantised."""
+    from sglang_tree_v4.dsv4.quantized import dequantize_fp4, quantize_fp4
     hf, _, _ = tiny
     ours = ours_from_hf(hf)
     state = deepseek_state(ours)
-    state["layers.1.ffn.experts.0.w1.weight"] = torch.zeros(64, 64, dtype=torch.int8)
-    state["layers.1.ffn.experts.0.w1.scale"] = torch.ones(64, 4)
+    q, s = quantize_fp4(state["layers.1.ffn.experts.0.w1.weight"])
+    state["layers.1.ffn.experts.0.w1.weight"], state["layers.1.ffn.experts.0.w1.scale"] = q, s
+    load_state(ours, state)
+    assert torch.equal(ours.layers[1].ffn.experts.w1.data[0], dequantize_fp4(q, s))
+    state["layers.1.ffn.experts.0.w1.scale"] = s[:, :1]
     with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.experts\.0\.w1\.weight.*FP4"):
         load_state(ours, state)

@@ -21,6 +21,7 @@ from torch import nn
 from .compressor import Compressor, Indexer
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .norm import RMSNorm, rms
+from .quantized import dense_weight
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore
 
@@ -85,7 +86,7 @@ class Attention(nn.Module):
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
         g = self.cfg.o_groups
-        wa = self.wo_a.weight.view(g, -1, H * hd // g)
+        wa = dense_weight(self.wo_a).to(o.dtype).view(g, -1, H * hd // g)
         o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, H * hd // g), wa).flatten(1)
         return self.wo_b(o)
 

@@ -57,7 +57,8 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``."""
+    """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``. ``expert(e)`` gives one expert's float
+    weights; a quantized subclass (``quantized.FP4Experts``) keeps them packed and dequantises there."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float):
         super().__init__()
@@ -65,6 +66,10 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
         self.limit = limit
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [I, D], w3 [I, D], w2 [D, I]) of expert ``e``."""
+        return self.w1[e], self.w3[e], self.w2[e]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = idx.shape
@@ -76,8 +81,9 @@ class Experts(nn.Module):
                 xt = x[t]
                 acc = 0
                 for j, e in enumerate(es):
-                    h = swiglu(self.w1[e] @ xt, self.w3[e] @ xt, self.limit)
-                    acc = acc + (self.w2[e] @ h) * ws[j]
+                    w1, w3, w2 = (wt.to(x.dtype) for wt in self.expert(e))
+                    h = swiglu(w1 @ xt, w3 @ xt, self.limit)
+                    acc = acc + (w2 @ h) * ws[j]
                 rows.append(acc)
             return torch.stack(rows)
         out = torch.zeros_like(x)
@@ -87,8 +93,9 @@ class Experts(nn.Module):
         for e in flat.unique().tolist():
             sel = (flat == e).nonzero().squeeze(1)
             t = tok[sel]
-            h = swiglu(x[t] @ self.w1[e].t(), x[t] @ self.w3[e].t(), self.limit)
-            out = out.index_add(0, t, (h @ self.w2[e].t()) * wf[sel, None])
+            w1, w3, w2 = (wt.to(x.dtype) for wt in self.expert(e))
+            h = swiglu(x[t] @ w1.t(), x[t] @ w3.t(), self.limit)
+            out = out.index_add(0, t, (h @ w2.t()) * wf[sel, None])
         return out
 
 

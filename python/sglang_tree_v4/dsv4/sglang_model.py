@@ -15,15 +15,19 @@ ancestors' verify slots above it, with the ancestry taken from ``spec_info.custo
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Iterable
 
 import torch
 from torch import nn
 
 from .config import DSV4Config
-from .model import DSV4Model
+from .quantize import build_model, parameter_bytes
 from .storage import SlotStore, SlotTable, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
-from .weights import load_state
+from .weights import StreamingLoader
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "TreeV4DSV4ForCausalLM"  # no "DeepseekV4" substring: SGLang keys V4 special cases on it
 RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
@@ -62,8 +66,12 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         self.config = config
-        self.cfg = DSV4Config.from_dict(getattr(config, RAW_CONFIG_ATTR))
-        self.model = DSV4Model(self.cfg, with_mtp=self.cfg.num_nextn_predict_layers > 0)
+        raw = getattr(config, RAW_CONFIG_ATTR)
+        self.cfg = DSV4Config.from_dict(raw)
+        # Built on the meta device with the checkpoint's quantization swapped in, then allocated in SGLang's dtype
+        # and device (its loader sets both as defaults around this constructor).
+        self.model = build_model(self.cfg, raw, with_mtp=self.cfg.num_nextn_predict_layers > 0,
+                                 dtype=torch.get_default_dtype())
         # The whole model is replicated on every tensor-parallel rank, so logits need no gather.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         self.last_streams: torch.Tensor | None = None
@@ -119,8 +127,21 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        dtype = next(self.model.parameters()).dtype
-        load_state(self.model, dict(weights), dtype)
+        """Streams SGLang's ``(name, tensor)`` iterator into the model one tensor at a time. A checkpoint without
+        ``mtp.*`` tensors (e.g. transformers' ``save_pretrained``, which has no MTP module) is served without the
+        MTP layer; TREE_V4 then refuses to start, naming the missing layer."""
+        loader = StreamingLoader(self.model)
+        with torch.no_grad():
+            for name, tensor in weights:
+                loader.feed(name, tensor)
+        missing = loader.missing()
+        if missing and all(k.startswith("mtp.") for k in missing) and not any(
+                k.startswith("mtp.") for k in loader.filled | set(loader.experts)):
+            logger.warning("the checkpoint has no mtp.* tensors: serving without the MTP layer")
+            self.model.mtp = nn.ModuleList()
+            loader.forget("mtp.")
+        loader.finish()
+        logger.info("TREE_V4 DeepSeek-V4 parameters: %s", json.dumps(parameter_bytes(self.model)))
 
 
 EntryClass = [TreeV4DeepseekV4ForCausalLM]

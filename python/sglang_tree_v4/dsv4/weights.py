@@ -17,7 +17,8 @@ from typing import Mapping
 
 import torch
 
-from .config import DSV4Config
+from .config import DSV4Config, read_checkpoint_config
+from .quantized import FP4_GROUP, dequantize_fp4, e8m0_bytes, e8m0_to_float
 
 
 class CheckpointError(ValueError):
@@ -61,9 +62,15 @@ def is_hf_name(name: str) -> bool:
     return name.startswith("model.") or name.startswith("lm_head.")
 
 
+# transformers 5.19's ``save_pretrained`` writes ``model.`` + DeepSeek's inner names, except the attention's
+# kv_norm, which it calls ``attn.norm`` (the compressors' ``compressor.norm`` is DeepSeek's own name).
+_SAVED_KV_NORM_RE = re.compile(r"^((?:layers|mtp)\.\d+\.attn)\.norm\.weight$")
+
+
 def to_internal(name: str) -> str | None:
-    """Checkpoint name (either scheme) -> module name; ``None`` for tensors that are deliberately not loaded (the
-    MTP's copies of the shared embedding / head)."""
+    """Checkpoint name (any scheme: DeepSeek's, transformers' in memory, transformers' ``save_pretrained``) ->
+    module name; ``None`` for tensors that are deliberately not loaded (the MTP's copies of the shared embedding /
+    head)."""
     if is_hf_name(name):
         if name == "lm_head.weight":
             return "head.weight"
@@ -71,7 +78,7 @@ def to_internal(name: str) -> str | None:
         n = n.replace(".embed_tokens.", ".embed.")
         for a, b in _HF_SUBS:
             n = n.replace(a, b)
-        return n[1:-1]
+        name = _SAVED_KV_NORM_RE.sub(r"\1.kv_norm.weight", n[1:-1])
     if re.match(r"^mtp\.\d+\.(emb\.tok_emb|head)\.", name):
         return None
     return _HC_RE.sub(lambda m: f"{m.group(1)}hc_{m.group(2)}.{m.group(3)}", name)
@@ -85,21 +92,18 @@ def to_deepseek(name: str) -> str:
 
 # ---- dtype handling ---------------------------------------------------------------------------------------------
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
-_FP4 = {getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n)}
-
-
-def _scale_of(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    stem = name[: -len(".weight")] if name.endswith(".weight") else name
-    for s in (stem + ".scale", stem + ".weight_scale_inv", name + "_scale_inv"):
-        if s in tensors:
-            return tensors[s]
-    return None
+_PACKED = (torch.int8, torch.uint8)
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 
 
 def dequantize(name: str, w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    if w.dtype in _FP4 or (w.dtype in (torch.int8, torch.uint8) and scale is not None):
-        raise CheckpointError(f"{name}: FP4 (e2m1-packed) weights are not supported yet; convert the experts to "
-                              f"FP8/BF16 first")
+    """A checkpoint tensor as a dense ``dtype`` tensor: FP8 with its block scale (any block size that tiles the
+    weight), FP4-packed with its per-32 scale, or a plain cast."""
+    if w.dtype in _PACKED and scale is not None:
+        if w.dim() != 2 or scale.dim() != 2 or scale.shape[0] != w.shape[0] or scale.shape[1] * FP4_GROUP != 2 * w.shape[1]:
+            raise CheckpointError(f"{name}: FP4 weight {tuple(w.shape)} (two values per byte) and scale "
+                                  f"{tuple(scale.shape)} do not match (expected [out, in/{FP4_GROUP}])")
+        return dequantize_fp4(w, scale).to(dtype)
     if w.dtype in _FP8:
         if scale is None:
             raise CheckpointError(f"{name}: FP8 tensor without a block scale (.scale / .weight_scale_inv)")
@@ -109,76 +113,185 @@ def dequantize(name: str, w: torch.Tensor, scale: torch.Tensor | None, dtype: to
         b1 = -(-w.shape[1] // scale.shape[1])
         if -(-w.shape[0] // b0) != scale.shape[0] or -(-w.shape[1] // b1) != scale.shape[1]:
             raise CheckpointError(f"{name}: scale shape {tuple(scale.shape)} does not tile weight {tuple(w.shape)}")
-        s = scale.float().repeat_interleave(b0, 0)[: w.shape[0]].repeat_interleave(b1, 1)[:, : w.shape[1]]
+        s = e8m0_to_float(scale).repeat_interleave(b0, 0)[: w.shape[0]].repeat_interleave(b1, 1)[:, : w.shape[1]]
         return (w.float() * s).to(dtype)
     return w.to(dtype) if w.is_floating_point() else w
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
-def convert_state(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                  num_experts: int | None = None) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (either naming) -> module-named, dequantised, experts stacked."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        if name.endswith(".scale") or name.endswith("_scale_inv"):
-            stem = name[: name.rindex(".")]
-            if any(k in tensors for k in (stem + ".weight", stem)) and not _HC_RE.search(name):
-                continue  # consumed with its weight
-        if name.endswith("_scale_inv"):
-            continue
+def _stem(name: str) -> str:
+    """``x.weight`` / ``x.scale`` / ``x.weight_scale_inv`` -> ``x``."""
+    for suffix in (".weight_scale_inv", ".scale", ".weight"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+class StreamingLoader:
+    """Copies checkpoint tensors into a model one at a time, as they are read (a file never has to be held whole).
+
+    A target that is kept quantized (``quantized.FP8BlockLinear``, ``quantized.FP4Experts``) receives the weight and
+    its scale as stored; a dense target receives the dequantised weight, so a quantized weight waits here only until
+    its scale arrives (a weight and its scale live in the same file). ``finish`` names what is missing, left
+    unpaired or unexpected. Every check names the checkpoint tensor and what was expected."""
+
+    def __init__(self, model: torch.nn.Module, strict: bool = True):
+        self.own = dict(model.state_dict())
+        self.dtype = next((v.dtype for k, v in self.own.items() if k.endswith("embed.weight")), torch.float32)
+        self.has_mtp = any(k.startswith("mtp.") for k in self.own)
+        self.strict = strict
+        self.filled: set[str] = set()
+        self.experts: dict[str, set[int]] = {}
+        self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # stem -> {"weight"/"scale": (name, t)}
+        self.unexpected: list[str] = []
+
+    # -- routing ------------------------------------------------------------------------------------------------
+    def feed(self, name: str, t: torch.Tensor) -> None:
+        internal = to_internal(name)
+        if internal is None or (internal.startswith("mtp.") and not self.has_mtp):
+            return  # deliberately not loaded (the MTP's copies of shared tensors; a model built without MTP)
         m = _EXPERT_RE.match(name)
         if m:
-            w = dequantize(name, t, _scale_of(tensors, name), dtype)
-            experts.setdefault(to_internal(f"{m.group(1)}.{m.group(3)}"), {})[int(m.group(2))] = w
-            continue
-        new = to_internal(name)
-        if new is None:
-            continue
-        if new.endswith(".ffn.experts.gate_up_proj"):  # HF: [E, 2I, D] = cat(w1, w3)
-            w = dequantize(name, t, None, dtype)
+            return self._feed_expert(name, t, to_internal(f"{m.group(1)}.{m.group(3)}"), int(m.group(2)),
+                                     "weight" if m.group(4) == "weight" else "scale")
+        if name.endswith(_SCALE_SUFFIXES):
+            weight = to_internal(_stem(name) + ".weight")
+            if weight in self.own:  # the block scale of a quantized weight (not a parameter named "scale")
+                if self.own[weight].dtype in _FP8:
+                    return self._copy(name, weight[: -len(".weight")] + ".scale", e8m0_to_float(t), scale=True)
+                return self._pair(name, t, "scale", lambda w, sc: self._dense(w[0], w[1], sc))
+        own = self.own.get(internal)
+        if own is not None and own.dtype in _FP8:
+            if t.dtype not in _FP8:
+                raise CheckpointError(f"{name}: expected an FP8 e4m3 weight (the config declares FP8 linears), got "
+                                      f"{t.dtype}")
+            return self._copy(name, internal, t)
+        if t.dtype in _FP8 or t.dtype in _PACKED:
+            return self._pair(name, t, "weight", lambda w, sc: self._dense(w[0], w[1], sc))
+        self._dense(name, t, None)
+
+    def _feed_expert(self, name: str, t: torch.Tensor, base: str, e: int, part: str) -> None:
+        own = self.own.get(base)
+        if own is None:
+            return self._unexpected(base)
+        if own.dtype == torch.uint8:  # FP4Experts: bytes as stored
+            if part == "weight" and t.dtype not in _PACKED:
+                raise CheckpointError(f"{name}: the config declares FP4 experts (expert_dtype fp4), got {t.dtype}")
+            key = base if part == "weight" else base + "_scale"
+            self._check_slice(name, key, self.own[key][e], t, packed=True)
+            self.own[key][e].copy_(t.view(torch.uint8) if part == "weight" else e8m0_bytes(t))
+            self.experts.setdefault(key, set()).add(e)
+            return
+        if part == "weight" and t.dtype not in _FP8 and t.dtype not in _PACKED:
+            return self._expert_copy(name, base, e, dequantize(name, t, None, self.dtype))
+        self._pair(name, t, part, lambda w, sc: self._expert_copy(w[0], base, e, dequantize(w[0], w[1], sc,
+                                                                                              self.dtype)))
+
+    def _pair(self, name: str, t: torch.Tensor, part: str, done) -> None:
+        """Hold a quantized weight or its scale until the other arrives, then ``done((name, weight), scale)``."""
+        slot = self.pending.setdefault(_stem(name), {})
+        slot[part] = (name, t)
+        if "weight" in slot and "scale" in slot:
+            del self.pending[_stem(name)]
+            done(slot["weight"], slot["scale"][1])
+
+    def _expert_copy(self, name: str, base: str, e: int, w: torch.Tensor) -> None:
+        own = self.own[base]
+        self._check_slice(name, base, own[e], w)
+        own[e].copy_(w.to(own.dtype))
+        self.experts.setdefault(base, set()).add(e)
+
+    @staticmethod
+    def _check_slice(name: str, key: str, own: torch.Tensor, t: torch.Tensor, packed: bool = False) -> None:
+        if tuple(own.shape) != tuple(t.shape):
+            what = "scale does not tile its weight" if key.endswith(("scale", "_scale")) else "wrong shape"
+            raise CheckpointError(f"{name}: {what}: shape {tuple(t.shape)} in checkpoint, model expects "
+                                  f"{tuple(own.shape)}" + (" (FP4: two values per byte)" if packed else ""))
+
+    def _dense(self, name: str, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+        base = to_internal(name)
+        if base.endswith(".ffn.experts.gate_up_proj"):  # HF in memory: [E, 2I, D] = cat(w1, w3)
+            w = dequantize(name, t, None, self.dtype)
             half = w.shape[1] // 2
-            base = new[: -len("gate_up_proj")]
-            out[base + "w1"], out[base + "w3"] = w[:, :half].contiguous(), w[:, half:].contiguous()
-            continue
-        if new.endswith(".ffn.experts.down_proj"):
-            out[new[: -len("down_proj")] + "w2"] = dequantize(name, t, None, dtype)
-            continue
-        out[new] = dequantize(name, t, _scale_of(tensors, name), dtype)
-    for stem, per in experts.items():
-        n = max(per) + 1
-        missing = [i for i in range(num_experts or n) if i not in per]
+            stem = base[: -len("gate_up_proj")]
+            self._copy(name, stem + "w1", w[:, :half])
+            self._copy(name, stem + "w3", w[:, half:])
+        elif base.endswith(".ffn.experts.down_proj"):
+            self._copy(name, base[: -len("down_proj")] + "w2", dequantize(name, t, None, self.dtype))
+        else:
+            self._copy(name, base, dequantize(name, t, scale, self.dtype))
+
+    def _copy(self, name: str, key: str, w: torch.Tensor, scale: bool = False) -> None:
+        own = self.own.get(key)
+        if own is None:
+            return self._unexpected(key)
+        if tuple(own.shape) != tuple(w.shape):
+            what = "scale does not tile its weight: " if scale else ""
+            raise CheckpointError(f"{name} ({key}): {what}shape {tuple(w.shape)} in checkpoint, model expects "
+                                  f"{tuple(own.shape)}")
+        own.copy_(w.to(own.dtype) if own.is_floating_point() else w)
+        self.filled.add(key)
+
+    def _unexpected(self, key: str) -> None:
+        if not (key.startswith("mtp.") and not self.has_mtp):
+            self.unexpected.append(key)
+
+    def forget(self, prefix: str) -> None:
+        """Stop expecting the model's tensors under ``prefix`` (a layer the checkpoint turned out not to have)."""
+        self.own = {k: v for k, v in self.own.items() if not k.startswith(prefix)}
+        self.experts = {k: v for k, v in self.experts.items() if not k.startswith(prefix)}
+        self.has_mtp = any(k.startswith("mtp.") for k in self.own)
+
+    # -- the end ------------------------------------------------------------------------------------------------
+    def missing(self) -> list[str]:
+        out = []
+        for k, v in self.own.items():
+            if k in self.experts:
+                lost = [i for i in range(v.shape[0]) if i not in self.experts[k]]
+                if lost:
+                    out.append(f"{k}: missing experts {lost[:8]}{'...' if len(lost) > 8 else ''}")
+            elif k not in self.filled:
+                out.append(k)
+        return out
+
+    def finish(self) -> None:
+        problems = []
+        for stem, parts in self.pending.items():
+            have = ", ".join(n for n, _ in parts.values())
+            problems.append(f"{have}: quantized weight and scale must come in pairs (got only this)")
+        missing = self.missing()
         if missing:
-            raise CheckpointError(f"{stem}: missing experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        out[stem] = torch.stack([per[i] for i in range(n)])
-    return out
+            problems.append(f"missing tensors (module names; DeepSeek names: "
+                            f"{[to_deepseek(k.split(':')[0]) for k in missing[:6]]}): "
+                            f"{missing[:12]}{' ...' if len(missing) > 12 else ''}")
+        if self.unexpected and self.strict:
+            problems.append(f"unexpected tensors: {self.unexpected[:12]}{' ...' if len(self.unexpected) > 12 else ''}")
+        if problems:
+            raise CheckpointError("cannot load DeepSeek-V4 checkpoint:\n  " + "\n  ".join(problems))
 
 
-def load_state(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-               strict: bool = True) -> None:
-    """Copy checkpoint tensors into ``model``. Missing or mis-shaped tensors raise ``CheckpointError`` naming them;
+def load_state(model: torch.nn.Module, tensors, dtype: torch.dtype | None = None, strict: bool = True) -> None:
+    """Copy checkpoint tensors (a mapping, or an iterable of ``(name, tensor)`` as SGLang's loader streams them)
+    into ``model``. Missing, mis-shaped, mis-typed or unpaired tensors raise ``CheckpointError`` naming them;
     ``mtp.*`` tensors are skipped when the model has no MTP layer."""
-    state = convert_state(tensors, dtype, getattr(getattr(model, "cfg", None), "n_routed_experts", None))
-    own = dict(model.state_dict())
-    has_mtp = any(k.startswith("mtp.") for k in own)
-    unexpected = [k for k in state if k not in own and not (k.startswith("mtp.") and not has_mtp)]
-    missing = [k for k in own if k not in state]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors (module names; DeepSeek names: {[to_deepseek(k) for k in missing[:6]]}"
-                        f"): {missing[:12]}{' ...' if len(missing) > 12 else ''}")
-    if unexpected and strict:
-        problems.append(f"unexpected tensors: {unexpected[:12]}{' ...' if len(unexpected) > 12 else ''}")
-    for k, v in state.items():
-        if k in own and tuple(own[k].shape) != tuple(v.shape):
-            problems.append(f"{k} ({to_deepseek(k)}): shape {tuple(v.shape)} in checkpoint, model expects "
-                            f"{tuple(own[k].shape)}")
-    if problems:
-        raise CheckpointError("cannot load DeepSeek-V4 checkpoint:\n  " + "\n  ".join(problems))
+    loader = StreamingLoader(model, strict)
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
     with torch.no_grad():
-        for k, v in state.items():
-            if k in own:
-                own[k].copy_(v.to(own[k].dtype))
+        for name, t in items:
+            loader.feed(name, t)
+    loader.finish()
+
+
+def iter_safetensors(path: str):
+    """``(name, tensor)`` of every ``*.safetensors`` file under ``path``, one tensor at a time (``safe_open``)."""
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    if not files:
+        raise CheckpointError(f"no *.safetensors under {path}")
+    for f in files:
+        with safe_open(f, "pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -192,14 +305,25 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_names(path: str) -> list[str]:
+    """Tensor names of a checkpoint, from the file headers only."""
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
+    names = []
+    for f in files:
+        with safe_open(f, "pt") as handle:
+            names += list(handle.keys())
+    return names
+
+
 def load_model(path: str, with_mtp: bool = True, dtype: torch.dtype = torch.float32):
-    """Config (``config.json``, either layout) + weights (all ``*.safetensors``) -> ``DSV4Model`` in eval mode."""
-    from .model import DSV4Model
+    """Config (``config.json``, either layout) + weights (all ``*.safetensors``, streamed) -> ``DSV4Model`` in eval
+    mode, kept quantized where the config declares it (``quantize.build_model``)."""
+    from .quantize import build_model
     cfg = DSV4Config.from_pretrained(path)
-    tensors = read_safetensors(path)
-    with_mtp = with_mtp and any(k.startswith("mtp.") for k in tensors)
-    model = DSV4Model(cfg, with_mtp=with_mtp).to(dtype)
-    load_state(model, tensors, dtype)
+    with_mtp = with_mtp and any(k.startswith("mtp.") for k in checkpoint_names(path))
+    model = build_model(cfg, read_checkpoint_config(path), with_mtp=with_mtp, dtype=dtype)
+    load_state(model, iter_safetensors(path))
     return model.eval()
 
 
@@ -225,5 +349,58 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
         json.dump(model.cfg.to_deepseek_dict(), f, indent=1)
 
 
-__all__ = ["load_model", "load_state", "convert_state", "save_checkpoint", "deepseek_state",
-                          "read_safetensors", "to_internal", "to_deepseek", "CheckpointError", "dequantize"]
+# DeepSeek's published dtypes for the tensors that are not quantized (``../shared/notes/v4_checkpoint_format.md``)
+_FLOAT32_RE = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
+
+
+def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 << 30) -> None:
+    """Write ``model`` (dense) as DeepSeek publishes V4-Flash: DeepSeek names incl. ``mtp.0.*``; attention, indexer
+    ``wq_b``, shared experts and MTP projections FP8 e4m3 with e8m0 128 x 128 block scales (``<module>.scale``);
+    routed experts FP4 e2m1 packed two per byte with e8m0 per-32 scales; hyper-connections, sinks, ape and the
+    gate bias float32; the rest bf16. Shards of at most ``max_shard_bytes`` (a weight and its scale stay together)
+    plus ``model.safetensors.index.json``, and a DeepSeek ``config.json`` declaring the quantization."""
+    from safetensors.torch import save_file
+
+    from .quantize import FP8_LINEARS
+    from .quantized import quantize_fp4, quantize_fp8_block
+
+    os.makedirs(path, exist_ok=True)
+    groups: list[dict[str, torch.Tensor]] = []
+    for name, t in deepseek_state(model).items():
+        stem = _stem(name)
+        if _EXPERT_RE.match(name):
+            q, sc = quantize_fp4(t)
+            groups.append({name: q, stem + ".scale": sc})
+        elif name.endswith(".weight") and FP8_LINEARS.search(stem):
+            q, sc = quantize_fp8_block(t)
+            groups.append({name: q, stem + ".scale": sc})
+        elif not t.is_floating_point():
+            groups.append({name: t})
+        else:
+            groups.append({name: t.float() if _FLOAT32_RE.search(name) else t.to(torch.bfloat16)})
+    shards, size = [[]], 0
+    for g in groups:
+        nbytes = sum(t.numel() * t.element_size() for t in g.values())
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {k: v.contiguous() for g in shard for k, v in g.items()}
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    config = model.cfg.to_deepseek_dict()
+    config.update(torch_dtype="bfloat16", expert_dtype="fp4", quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128]})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
+__all__ = ["load_model", "load_state", "StreamingLoader", "save_checkpoint", "save_published", "deepseek_state", "read_safetensors",
+           "iter_safetensors", "checkpoint_names", "to_internal", "to_deepseek", "CheckpointError", "dequantize"]

@@ -68,6 +68,9 @@ class TreeV4Worker(BaseSpecWorker):
         if not isinstance(self.adapter, TreeV4DeepseekV4ForCausalLM):
             raise ValueError(f"--speculative-algorithm TREE_V4 needs our DeepSeek-V4 model, got "
                              f"{type(self.adapter).__name__}")
+        if len(self.adapter.model.mtp) == 0:
+            raise ValueError("--speculative-algorithm TREE_V4 drafts with the checkpoint's MTP layer (mtp.0.*), "
+                             "and this checkpoint has none")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
         self.score_temperature = checkpoint_score_temperature(server_args.model_path)

@@ -1,0 +1,145 @@
+"""Weights kept in the checkpoint's own low precision, dequantised tile by tile inside the matmul.
+
+Formats (the published DeepSeek-V4 layout; ``../shared/notes`` lists where each fact was read):
+
+* **FP8 block-scaled linears** (attention, indexer ``wq_b``, shared experts, MTP projections): ``weight``
+  ``float8_e4m3fn [out, in]`` with ``scale [ceil(out/128), ceil(in/128)]``, a power of two stored as e8m0 (or
+  float32 in some checkpoints); ``w = fp8 * scale`` per 128 x 128 block.
+* **FP4 routed experts**: ``weight`` int8/uint8 ``[out, in/2]``, two e2m1 values per byte packed along the input
+  dimension (low nibble = even element; bit 3 = sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), with ``scale``
+  e8m0 ``[out, in/32]``.
+
+Resident bytes stay those of the checkpoint: FP8 scales are kept as float32 (one per 16,384 weights), FP4 scales as
+their e8m0 byte (one per 32 weights; float32 would add 25 %). The torch code here is the CPU path and the reference
+for GPU kernels: each forward dequantises one block of output rows (or one expert) at a time, so temporaries are
+bounded by a block, never the whole weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .moe import Experts
+
+FP8_BLOCK = 128
+FP4_GROUP = 32
+FP8_DTYPE = torch.float8_e4m3fn
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 exponents (``float8_e8m0fnu`` or their raw uint8 bytes) -> float32 powers of two ``2^(b - 127)``."""
+    if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
+        scale = scale.view(torch.uint8)
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Any power-of-two scale tensor -> its e8m0 bytes (uint8)."""
+    if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
+        return scale.view(torch.uint8)
+    if scale.dtype == torch.uint8:
+        return scale
+    return (torch.log2(scale.float()).round() + 127).clamp(0, 254).to(torch.uint8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n/2]`` bytes -> ``[..., n]`` float32 e2m1 values (low nibble first)."""
+    b = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    table = _E2M1.to(b.device)
+    lo, hi = table[(b & 0xF).long()], table[(b >> 4).long()]
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def pack_fp4(values: torch.Tensor) -> torch.Tensor:
+    """Values -> the nearest e2m1 codes, packed: ``[..., n]`` -> ``[..., n/2]`` uint8 (inverse of ``unpack_fp4`` on
+    the grid)."""
+    codes = (values.unsqueeze(-1) - _E2M1.to(values.device)).abs().argmin(-1).to(torch.uint8)
+    codes = torch.where((values == 0) & (codes == 8), torch.zeros_like(codes), codes)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, start: int = 0, stop: int | None = None
+                   ) -> torch.Tensor:
+    """float32 rows ``[start, stop)`` of a block-scaled FP8 matrix (``start`` a multiple of the block)."""
+    w = weight[start:stop].float()
+    s = scale.float()[start // FP8_BLOCK: start // FP8_BLOCK + -(-w.shape[0] // FP8_BLOCK)]
+    return w * s.repeat_interleave(FP8_BLOCK, 0)[: w.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : w.shape[1]]
+
+
+def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[out, in]`` of a packed FP4 matrix with per-32 e8m0 scales."""
+    return unpack_fp4(weight) * e8m0_to_float(scale).repeat_interleave(FP4_GROUP, -1)
+
+
+class FP8BlockLinear(nn.Module):
+    """``y = x W^T`` with ``W`` FP8 e4m3 and one power-of-two scale per 128 x 128 block (DeepSeek's layout)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("scale", torch.empty(-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK),
+                                                  dtype=torch.float32, device=device))
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole float32 weight (for callers that need it as a matrix, e.g. a grouped projection)."""
+        return dequantize_fp8(self.weight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = []
+        for r in range(0, self.out_features, FP8_BLOCK):
+            out.append(x.float() @ dequantize_fp8(self.weight, self.scale, r, r + FP8_BLOCK).t())
+        return torch.cat(out, dim=-1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, 128x128 block scales"
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear's weight as a float matrix, whether it is ``nn.Linear`` or kept quantized."""
+    return linear.dequantized() if hasattr(linear, "dequantized") else linear.weight
+
+
+class FP4Experts(Experts):
+    """Routed experts with FP4 weights: ``w1, w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` packed bytes and their e8m0
+    scales ``w*_scale [E, out, in/32]``. Used through ``Experts``' interface: ``expert(e)`` dequantises one expert
+    (the tile the matmul needs), nothing else is ever materialised."""
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float, device=None):
+        nn.Module.__init__(self)
+        self.limit = limit
+        for name, (out, inp) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+            self.register_buffer(name, torch.empty(n, out, inp // 2, dtype=torch.uint8, device=device))
+            self.register_buffer(name + "_scale", torch.empty(n, out, inp // FP4_GROUP, dtype=torch.uint8,
+                                                              device=device))
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(dequantize_fp4(getattr(self, n)[e], getattr(self, n + "_scale")[e]) for n in ("w1", "w3", "w2"))
+
+
+def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[out, in]`` -> (FP8 e4m3 weight, e8m0 block scales ``[ceil(out/128), ceil(in/128)]``), each scale the
+    power of two at or above the block's amax / 448 (DeepSeek's published convention)."""
+    o, i = w.shape
+    bo, bi = -(-o // FP8_BLOCK), -(-i // FP8_BLOCK)
+    padded = torch.zeros(bo * FP8_BLOCK, bi * FP8_BLOCK, dtype=torch.float32)
+    padded[:o, :i] = w.float()
+    amax = padded.abs().reshape(bo, FP8_BLOCK, bi, FP8_BLOCK).amax(dim=(1, 3)).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    full = scale.repeat_interleave(FP8_BLOCK, 0)[:o].repeat_interleave(FP8_BLOCK, 1)[:, :i]
+    return (w.float() / full).to(FP8_DTYPE), e8m0_bytes(scale).view(E8M0_DTYPE)
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float ``[out, in]`` -> (packed int8 ``[out, in/2]``, e8m0 scales ``[out, in/32]``): per group of 32 inputs
+    the power of two at or above amax / 6, values rounded to the nearest e2m1."""
+    o, i = w.shape
+    groups = w.float().reshape(o, i // FP4_GROUP, FP4_GROUP)
+    scale = torch.exp2(torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)))
+    packed = pack_fp4((groups / scale[..., None]).reshape(o, i))
+    return packed.view(torch.int8), e8m0_bytes(scale).view(E8M0_DTYPE)

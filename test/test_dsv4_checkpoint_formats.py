@@ -1,0 +1,178 @@
+"""Checkpoint formats through disk: DeepSeek's published layout (FP8 block-scaled linears, FP4 experts, shards +
+index), transformers' ``save_pretrained``, our ``save_checkpoint``; kept quantized in memory, streamed in, errors
+that name the tensor. The ground truth is HF transformers on the same (dequantised) weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.dsv4.config import ConfigError
+from sglang_tree_v4.dsv4.quantize import parameter_bytes
+from sglang_tree_v4.dsv4.quantized import (FP4Experts, FP8BlockLinear, dequantize_fp4, pack_fp4, quantize_fp4,
+                                           quantize_fp8_block, unpack_fp4)
+from sglang_tree_v4.dsv4.weights import CheckpointError, load_model, save_checkpoint, save_published
+from support import real_format as rf
+
+TOL = 1e-4
+
+
+def _ids(n=60, vocab=3072, seed=5):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model.forward_sequences(ids[None]).logits[0]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    hf = build_hf(8, seed=3, vocab=3072)
+    path = tmp_path_factory.mktemp("published")
+    save_published(ours_from_hf(hf, with_mtp=True), str(path), max_shard_bytes=2_000_000)
+    return path
+
+
+def test_e2m1_nibble_order_and_grid():
+    values = torch.tensor([[0.5, -6.0, 1.0, 0.0, 3.0, -0.5]])
+    packed = pack_fp4(values)
+    assert packed.tolist() == [[0xF1, 0x02, 0x95]]  # low nibble = even element, bit 3 = sign
+    assert torch.equal(unpack_fp4(packed), values)
+
+
+def test_published_layout_on_disk(published):
+    index = json.loads((published / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2
+    with safe_open(str(published / index["weight_map"]["layers.1.attn.wq_b.weight"]), "pt") as f:
+        assert f.get_tensor("layers.1.attn.wq_b.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("layers.1.attn.wq_b.scale").dtype == torch.float8_e8m0fnu
+    with safe_open(str(published / index["weight_map"]["layers.1.ffn.experts.3.w2.weight"]), "pt") as f:
+        assert f.get_tensor("layers.1.ffn.experts.3.w2.weight").dtype == torch.int8
+        assert f.get_tensor("layers.1.ffn.experts.3.w2.scale").shape[1] * 32 == 64  # per-32 along the input
+    assert any(k.startswith("mtp.0.") for k in index["weight_map"])
+    config = json.loads((published / "config.json").read_text())
+    assert config["expert_dtype"] == "fp4" and config["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_published_layout_kept_quantized_and_equal_to_hf_on_dequantised_weights(published):
+    model = load_model(str(published))
+    assert isinstance(model.layers[1].attn.wq_b, FP8BlockLinear) and isinstance(model.layers[1].ffn.experts,
+                                                                              FP4Experts)
+    assert model.layers[1].attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    ids = _ids()
+    hf = rf.hf_reference(published, hf_config_dir=_hf_config_dir(published))
+    assert rel_err(_logits(model, ids), hf_logits(hf, ids)) <= TOL
+    assert rel_err(_logits(model, ids), _logits(rf.dequantised_model(published), ids)) <= 1e-6
+
+
+def _hf_config_dir(published):
+    out = published / "hf_config"
+    if not out.exists():
+        build_hf(8, seed=3, vocab=3072).config.save_pretrained(out)
+    return out
+
+
+def test_resident_bytes_are_the_checkpoint_bytes(published):
+    """Kept quantized with the dense weights in bf16 (as published), the model holds what the files hold."""
+    model = load_model(str(published), dtype=torch.bfloat16)
+    held = parameter_bytes(model)["param_bytes_per_rank"]
+    on_disk = 0
+    for file in published.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for k in f.keys():
+                if not k.startswith("mtp.0.emb") and not k.startswith("mtp.0.head"):
+                    t = f.get_tensor(k)
+                    on_disk += t.numel() * t.element_size()
+    assert held <= 1.05 * on_disk, (held, on_disk)
+
+
+def test_save_pretrained_through_disk_matches_hf(tmp_path):
+    hf = build_hf(8, seed=1, vocab=3072)
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path))
+    assert len(model.mtp) == 0  # transformers' model has no MTP layer to save
+    ids = _ids()
+    assert rel_err(_logits(model, ids), hf_logits(hf, ids)) <= TOL
+
+
+def test_own_save_checkpoint_round_trip(tmp_path):
+    hf = build_hf(8, seed=2, vocab=3072)
+    ours = ours_from_hf(hf, with_mtp=True)
+    save_checkpoint(ours, str(tmp_path))
+    again = load_model(str(tmp_path))
+    ids = _ids()
+    assert torch.equal(_logits(again, ids), _logits(ours, ids))
+
+
+def _rewrite(published, tmp_path, edit):
+    """A copy of the published checkpoint with one shard's tensors edited."""
+    import shutil
+    out = tmp_path / "bad"
+    shutil.copytree(published, out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    file = out / index["weight_map"]["layers.1.attn.wq_b.weight"]
+    with safe_open(str(file), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(file))
+    return out
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop("layers.1.attn.wq_b.weight"), r"layers\.1\.attn\.wq_b\.scale.*pairs|layers\.1\.attn\.wq_b\.weight"),
+    (lambda t: t.__setitem__("layers.1.attn.wq_b.scale", t["layers.1.attn.wq_b.scale"][:, :0]),
+     r"layers\.1\.attn\.wq_b\.scale.*does not tile"),
+    (lambda t: t.__setitem__("layers.1.attn.wq_b.weight", t["layers.1.attn.wq_b.weight"].float()),
+     r"layers\.1\.attn\.wq_b\.weight.*FP8"),
+    (lambda t: t.__setitem__("layers.1.attn.wq_b.weight", t["layers.1.attn.wq_b.weight"][:3]),
+     r"layers\.1\.attn\.wq_b\.weight.*shape"),
+], ids=["missing", "scale-does-not-tile", "wrong-dtype", "wrong-shape"])
+def test_bad_tensors_are_named(published, tmp_path, edit, match):
+    with pytest.raises(CheckpointError, match=match):
+        load_model(str(_rewrite(published, tmp_path, edit)))
+
+
+def test_unknown_quantization_is_named(published, tmp_path):
+    import shutil
+    out = tmp_path / "q"
+    shutil.copytree(published, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "awq"
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="quantization_config.quant_method"):
+        load_model(str(out))
+
+
+def test_fp8_and_fp4_quantizers_round_trip():
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3)
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    q, s = quantize_fp4(w)
+    d = dequantize_fp4(q, s)
+    assert torch.equal(dequantize_fp4(*quantize_fp4(d)), d)  # dequantised values are on the grid
+
+
+def test_footprint_of_the_published_v4_flash_config():
+    """The footprint report at V4-Flash shapes (meta device, no memory): the routed experts are held as FP4 bytes
+    plus e8m0 scales, exactly (43 + 1 MTP) x 256 experts x 3 matrices x 2048 x 4096 x (1/2 + 1/32) bytes, and the
+    FP8 linears as one byte per weight."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    config = Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json"
+    done = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", str(config)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["param_bytes_by_dtype"]["uint8"] == 44 * 256 * 3 * 2048 * 4096 * 17 // 32
+    assert report["param_bytes_by_dtype"]["float8_e4m3fn"] > 0
+    assert report["param_bytes_per_rank"] == sum(report["param_bytes_by_dtype"].values())
+    assert {"construct_s", "tp", "dtype"} <= set(report)
