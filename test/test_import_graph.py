@@ -1,8 +1,8 @@
 """The package's import graph, read with the standard ``ast`` module (every import statement, including the lazy
 ones inside functions): no cycle, and the dependency direction of the design holds:
 ``tree/`` <- ``dsv4/`` <- ``speculative/`` <- ``plugin.py`` (``cpu/``, the platform support, reads V4 configs
-through ``dsv4.config`` and is asked by ``speculative/`` whether the machine is CPU-only), with the math in ``tree/`` and ``dsv4/`` free of
-sglang (only ``dsv4/sglang_model.py``, the adapter, may import it)."""
+through ``dsv4.config`` and is asked by ``speculative/`` whether the machine is CPU-only), with the math in
+``tree/`` and ``dsv4/`` free of sglang (only ``dsv4/sglang_model.py``, the adapter, may import it)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``): registration only.
 
 SGLang calls ``register`` at the start of every process it runs (launcher, each scheduler / TP rank,
-detokenizer). It registers the ``TREE_V4`` speculative algorithm and the DeepSeek-V4 model override, a quiet stop on
-Ctrl-C / SIGTERM (``shutdown``), and on a machine without a GPU the CPU support. Heavy imports stay inside the hooks they serve.
+detokenizer). It registers the ``TREE_V4`` speculative algorithm and the DeepSeek-V4 model override, a quiet stop
+on Ctrl-C / SIGTERM (``shutdown``), and on a machine without a GPU the CPU support. Heavy imports stay inside the
+hooks they serve.
 """
 
 from __future__ import annotations

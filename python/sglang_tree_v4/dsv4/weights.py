@@ -4,8 +4,9 @@ Each tensor name is translated on its own (so a file may mix both: HF-named main
 into this package's module names, which follow DeepSeek's except that routed experts are stacked
 (``ffn.experts.w1 [E, I, D]``) and hyper-connection triples are submodules (``hc_attn.fn`` for ``hc_attn_fn``).
 
-FP8 weights (``float8_e4m3fn`` with a block scale ``<name>.scale`` or ``<name>.weight_scale_inv``, 128x128 blocks)
-are dequantised on load. FP4-packed expert weights are not supported yet and are rejected by name.
+Quantized weights (FP8 e4m3 with a block scale ``<name>.scale`` / ``<name>.weight_scale_inv``; FP4 e2m1 packed
+experts with per-32 scales) are copied as stored into modules the config keeps quantized (``quantize``), and
+dequantised on load into dense modules otherwise. ``save_published`` writes DeepSeek's published layout.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def dequantize(name: str, w: torch.Tensor, scale: torch.Tensor | None, dtype: to
     """A checkpoint tensor as a dense ``dtype`` tensor: FP8 with its block scale (any block size that tiles the
     weight), FP4-packed with its per-32 scale, or a plain cast."""
     if w.dtype in _PACKED and scale is not None:
-        if w.dim() != 2 or scale.dim() != 2 or scale.shape[0] != w.shape[0] or scale.shape[1] * FP4_GROUP != 2 * w.shape[1]:
+        if (w.dim() != 2 or scale.dim() != 2 or scale.shape[0] != w.shape[0]
+                or scale.shape[1] * FP4_GROUP != 2 * w.shape[1]):
             raise CheckpointError(f"{name}: FP4 weight {tuple(w.shape)} (two values per byte) and scale "
                                   f"{tuple(scale.shape)} do not match (expected [out, in/{FP4_GROUP}])")
         return dequantize_fp4(w, scale).to(dtype)
@@ -294,17 +296,6 @@ def iter_safetensors(path: str):
                 yield name, handle.get_tensor(name)
 
 
-def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
-    if not files:
-        raise CheckpointError(f"no *.safetensors under {path}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
-
-
 def checkpoint_names(path: str) -> list[str]:
     """Tensor names of a checkpoint, from the file headers only."""
     from safetensors import safe_open
@@ -402,5 +393,5 @@ def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 <
         json.dump(config, f, indent=1)
 
 
-__all__ = ["load_model", "load_state", "StreamingLoader", "save_checkpoint", "save_published", "deepseek_state", "read_safetensors",
+__all__ = ["load_model", "load_state", "StreamingLoader", "save_checkpoint", "save_published", "deepseek_state",
            "iter_safetensors", "checkpoint_names", "to_internal", "to_deepseek", "CheckpointError", "dequantize"]
