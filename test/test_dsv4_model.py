@@ -195,3 +195,22 @@ def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
     ignoring = DSV4Config.from_dict({**ours_cfg.to_deepseek_dict(),
                                      "rope_scaling": {**ours_cfg.rope_scaling, "attention_factor": 1.0}})
     assert rel_err(logits(ignoring), ref) > 100 * TOL
+
+
+def test_indexer_in_chunks_selects_as_one_pass(case, monkeypatch):
+    """The indexer scores entries in chunks with a running top-k; forcing 64-entry chunks (two chunks at 75 visible
+    entries, top-k 4) gives the logits of scoring all entries at once, and both match HF."""
+    from sglang_tree_v4.dsv4 import compressor
+    _, ours, ids, ref = case
+    if len(ids) < 300:
+        pytest.skip("needs more than 64 visible CSA entries")
+    one_pass = DSV4Runner(ours, num_slots=512)
+    rid = one_pass.add_request()
+    whole = one_pass.extend([rid], [ids])[0].logits
+    monkeypatch.setattr(compressor, "INDEXER_CHUNK_ELEMENTS", 1)
+    assert ours.layers[1].attn.indexer.chunk_entries(len(ids)) == 64
+    chunked = DSV4Runner(ours, num_slots=512)
+    rid = chunked.add_request()
+    got = chunked.extend([rid], [ids])[0].logits
+    assert torch.equal(got, whole)
+    assert rel_err(got, ref) <= TOL

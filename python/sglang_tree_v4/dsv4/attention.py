@@ -76,10 +76,11 @@ class Attention(nn.Module):
         ent_store = ent_slots = None
         if self.compressor is not None:
             r = self.ratio
-            ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
-            if self.indexer is not None:
+            if self.indexer is not None:  # CSA: only the selected entries' slots are looked up
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
-                ent_slots = torch.where(ok, ent_slots.gather(1, idx), -1)
+                ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1), -1)
+            else:  # HCA: every visible entry (one per 128 positions)
+                ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             ent_store = store.view(layer, "entry")
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
         o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_slots, ent_store, ent_slots,

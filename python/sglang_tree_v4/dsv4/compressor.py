@@ -70,6 +70,9 @@ def _closer_rows(fb: ForwardBatch, r: int, span: int) -> tuple[torch.Tensor, tor
     return closers, sub.lookup(pos)
 
 
+INDEXER_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 temporaries per chunk
+
+
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: its own overlapping ratio-4 compressor at ``index_head_dim`` produces
     index keys; query t scores ``sum_h w_{t,h} * ReLU(q_{t,h} . K_e) / sqrt(ihd)`` over exactly the entries it may
@@ -84,24 +87,38 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
                rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch)."""
+        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch).
+
+        Entries are scored in chunks of ``chunk_entries(N)`` with a running top-k, so the temporaries (gathered
+        keys ``[N, C, ihd]`` and per-head scores ``[N, H, C]``) are bounded by the chunk, not by the context."""
         n = x.shape[0]
         n_vis = (fb.positions + 1) // 4
         emax = int(n_vis.max()) if n > 0 else 0
         if emax == 0:
             z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
             return z, z.bool()
-        cand = torch.arange(emax, device=x.device).expand(n, emax)
-        cvalid = cand < n_vis[:, None]
-        cslots = fb.memo(("entries", 4), lambda: torch.where(cvalid, fb.table.lookup(cand * 4 + 3), -1))
-        keys = store.read(layer, "ientry", cslots)  # [N, E, ihd] (scored in fp32)
-        q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
-        q = rope.rotate(q, cos[:, None], sin[:, None])
-        s = torch.relu(torch.einsum("nhd,ned->nhe", q.float(), keys.float())) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        score = (s * w.unsqueeze(-1)).sum(1).masked_fill(~cvalid, float("-inf"))
         k = min(self.topk, emax)
-        if k == emax:  # everything visible is kept: no selection needed
-            return cand, cvalid
-        top = score.topk(k, dim=-1).indices
-        return top, cvalid.gather(1, top)
+        q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
+        q = rope.rotate(q, cos[:, None], sin[:, None]).float()
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        best_score = torch.empty(n, 0, device=x.device)
+        best_idx = torch.empty(n, 0, dtype=torch.long, device=x.device)
+        step = self.chunk_entries(n)
+        for e0 in range(0, emax, step):
+            cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
+            valid = cand < n_vis[:, None]
+            keys = store.read(layer, "ientry", torch.where(valid, fb.table.lookup(cand * 4 + 3), -1))
+            s = torch.relu(torch.einsum("nhd,ned->nhe", q, keys.float())) * self.head_dim ** -0.5
+            score = (s * w.unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
+            best_score, best_idx = torch.cat([best_score, score], 1), torch.cat([best_idx, cand], 1)
+            if best_score.shape[1] > k:
+                top = best_score.topk(k, dim=-1)
+                best_score, best_idx = top.values, best_idx.gather(1, top.indices)
+        if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
+            return best_idx, best_idx < n_vis[:, None]
+        return best_idx, best_score > float("-inf")
+
+    def chunk_entries(self, n_queries: int) -> int:
+        """Entries scored at once: about ``INDEXER_CHUNK_ELEMENTS`` fp32 values of keys and per-head scores."""
+        per_entry = max(n_queries, 1) * (self.n_heads + self.head_dim)
+        return max(64, INDEXER_CHUNK_ELEMENTS // per_entry)

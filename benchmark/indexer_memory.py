@@ -1,0 +1,91 @@
+"""Peak temporary bytes of the lightning indexer's top-k selection at a long context, one pass vs in chunks.
+
+    python benchmark/indexer_memory.py [--context 131072] [--queries 8] [--out benchmark/results/indexer_memory_cpu.jsonl]
+
+Runs ``dsv4.compressor.Indexer.select`` on the CPU at V4-Flash indexer shapes (64 heads, head dim 128, top-k 512,
+hidden 4096, q rank 1024) for ``--queries`` queries at the end of a ``--context``-token sequence (one index key per
+4 tokens), once with the whole context in one chunk (the algorithm before chunking) and once with the default
+chunk, and records the peak of the bytes held by tensors created inside the call (a ``TorchDispatchMode`` that
+follows every op's outputs until they are freed). The temporaries grow with queries x entries x (heads + head dim)
+in one pass and stay at the chunk's size in chunks; the selected entries are checked to be the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class PeakBytes(TorchDispatchMode):
+    """Bytes of live tensors produced inside the mode (their storages counted once), and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.live and storage.nbytes() > 0:
+                    self.live[key] = storage.nbytes()
+                    weakref.finalize(storage, self.live.pop, key, None)
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from sglang_tree_v4.dsv4 import compressor
+    from sglang_tree_v4.dsv4.rope import Rope
+    from sglang_tree_v4.dsv4.storage import ForwardBatch, LayerLayout, SlotStore, SlotTable
+
+    heads, ihd, topk, dim, q_rank = 64, 128, 512, 4096, 1024
+    g = torch.Generator().manual_seed(0)
+    indexer = compressor.Indexer(dim, q_rank, heads, ihd, topk, 1e-6)
+    with torch.no_grad():
+        for p in indexer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    n, L = args.queries, args.context
+    store = SlotStore([LayerLayout.of([("ientry", ihd)])], L + n)
+    store.write(0, "ientry", torch.arange(L + n), torch.randn(L + n, ihd, generator=g))
+    positions = torch.arange(L, L + n)
+    table = SlotTable.for_requests(torch.arange(L + n)[None], torch.zeros(n, dtype=torch.long), positions)
+    fb = ForwardBatch(torch.zeros(n, dtype=torch.long), positions, positions, table)
+    rope = Rope(64, 160000.0)
+    cos, sin = rope.cos_sin(positions)
+    x, q_res = torch.randn(n, dim, generator=g), torch.randn(n, q_rank, generator=g)
+    records, chosen = [], {}
+    for mode, elements in (("one pass", 1 << 62), ("chunks", compressor.INDEXER_CHUNK_ELEMENTS)):
+        compressor.INDEXER_CHUNK_ELEMENTS = elements
+        tracker = PeakBytes()
+        with torch.no_grad(), tracker:
+            idx, ok = indexer.select(x, q_res, fb, store, 0, rope, cos, sin)
+        chosen[mode] = idx.sort(-1).values
+        records.append({"bench": "indexer_memory", "mode": mode, "context": L, "entries": L // 4, "queries": n,
+                        "chunk_entries": min(indexer.chunk_entries(n), L // 4), "peak_temp_bytes": tracker.peak,
+                        "peak_temp_bytes_per_query": tracker.peak // n})
+        print(json.dumps(records[-1]), flush=True)
+    assert torch.equal(chosen["one pass"], chosen["chunks"]), "chunked selection differs"
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+if __name__ == "__main__":
+    main()
