@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .moe import Experts
+from .moe import Experts, swiglu
 
 FP8_BLOCK = 128
 FP4_GROUP = 32
@@ -120,6 +120,22 @@ class FP4Experts(Experts):
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(dequantize_fp4(getattr(self, n)[e], getattr(self, n + "_scale")[e]) for n in ("w1", "w3", "w2"))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The CPU reference: one expert present in the batch at a time, dequantised for its matmuls (on a GPU this
+        is the place for a fused FP4 MoE kernel)."""
+        n, k = idx.shape
+        out = torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        tokens = torch.arange(n, device=x.device).repeat_interleave(k)
+        weights = w.reshape(-1)
+        for e in flat.unique().tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            t = tokens[sel]
+            w1, w3, w2 = (m.to(x.dtype) for m in self.expert(e))
+            h = swiglu(x[t] @ w1.t(), x[t] @ w3.t(), self.limit)
+            out = out.index_add(0, t, (h @ w2.t()) * weights[sel, None])
+        return out
 
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
