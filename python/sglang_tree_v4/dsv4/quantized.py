@@ -9,8 +9,8 @@ Formats (the published DeepSeek-V4 layout; ``../shared/notes`` lists where each 
   dimension (low nibble = even element; bit 3 = sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), with ``scale``
   e8m0 ``[out, in/32]``.
 
-Resident bytes stay those of the checkpoint: FP8 scales are kept as float32 (one per 16,384 weights), FP4 scales as
-their e8m0 byte (one per 32 weights; float32 would add 25 %). The torch code here is the CPU path and the reference
+Resident bytes stay those of the checkpoint: FP8 scales are kept in the dense dtype (one per 16,384 weights; powers
+of two are exact in bf16 too), FP4 scales as their e8m0 byte (one per 32 weights; float32 would add 25 %). The torch code here is the CPU path and the reference
 for GPU kernels: each forward dequantises one block of output rows (or one expert) at a time, so temporaries are
 bounded by a block, never the whole weight.
 """
