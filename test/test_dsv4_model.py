@@ -197,13 +197,14 @@ def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
     assert rel_err(logits(ignoring), ref) > 100 * TOL
 
 
-def test_indexer_in_chunks_selects_as_one_pass(case, monkeypatch):
+def test_indexer_in_chunks_selects_as_one_pass(monkeypatch):
     """The indexer scores entries in chunks with a running top-k; forcing 64-entry chunks (two chunks at 75 visible
     entries, top-k 4) gives the logits of scoring all entries at once, and both match HF."""
     from sglang_tree_v4.dsv4 import compressor
-    _, ours, ids, ref = case
-    if len(ids) < 300:
-        pytest.skip("needs more than 64 visible CSA entries")
+    hf = build_hf(128, seed=128)
+    ours = ours_from_hf(hf)
+    ids = _ids(300, seed=300)
+    ref = hf_logits(hf, ids)
     one_pass = DSV4Runner(ours, num_slots=512)
     rid = one_pass.add_request()
     whole = one_pass.extend([rid], [ids])[0].logits

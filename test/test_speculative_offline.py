@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.weights import load_model
-from sglang_tree_v4.prompts import gsm8k
 from sglang_tree_v4.speculative.offline import plain_greedy, speculative_greedy
+from support.serving_checks import chat_prompt_ids
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 NEW = 40
@@ -22,13 +21,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def setup():
-    model = load_model(str(MODEL))
-    tok = AutoTokenizer.from_pretrained(str(MODEL))
-    prompts = []
-    for q in [r["question"] for r in gsm8k("test")[:3]]:
-        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    return model, prompts
+    return load_model(str(MODEL)), chat_prompt_ids(MODEL)
 
 
 @pytest.mark.parametrize("shape", [(8, 3, 4), (8, 1, 7), (5, 2, 3)], ids=["tree-8-3-4", "chain-8", "tree-5-2-3"])

@@ -102,18 +102,21 @@ class SampledStats:
         return math.ceil(((Z_CRITICAL + Z_POWER) / TV_DISTORTION) ** 2 * self.variance[name])
 
 
-def sampling_cases(model_path, n_prompts: int = 3) -> list[tuple[list[int], dict]]:
-    """(prompt ids, sampling setting) pairs: the first GSM8K test questions in the checkpoint's chat template, each
-    with every one of ``SETTINGS``."""
+def chat_prompt_ids(model_path, n_prompts: int = 3) -> list[list[int]]:
+    """The first GSM8K test questions as first-turn generation prompts in the checkpoint's chat template."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    cases = []
+    out = []
     for record in prompts.gsm8k("test")[:n_prompts]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": record["question"]}],
                                              add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        cases += [(ids, setting) for setting in SETTINGS]
-    return cases
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def sampling_cases(model_path, n_prompts: int = 3) -> list[tuple[list[int], dict]]:
+    """(prompt ids, sampling setting) pairs: every prompt of ``chat_prompt_ids`` with every one of ``SETTINGS``."""
+    return [(ids, setting) for ids in chat_prompt_ids(model_path, n_prompts) for setting in SETTINGS]
 
 
 def sample_continuations(server, prompt_ids: list[int], setting: dict, n: int, new_tokens: int) -> list[dict]:

@@ -284,13 +284,17 @@ def load_state(model: torch.nn.Module, tensors, dtype: torch.dtype | None = None
     loader.finish()
 
 
-def iter_safetensors(path: str):
-    """``(name, tensor)`` of every ``*.safetensors`` file under ``path``, one tensor at a time (``safe_open``)."""
-    from safetensors import safe_open
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
     if not files:
         raise CheckpointError(f"no *.safetensors under {path}")
-    for f in files:
+    return files
+
+
+def iter_safetensors(path: str):
+    """``(name, tensor)`` of every ``*.safetensors`` file under ``path``, one tensor at a time (``safe_open``)."""
+    from safetensors import safe_open
+    for f in _safetensors_files(path):
         with safe_open(f, "pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
@@ -299,9 +303,8 @@ def iter_safetensors(path: str):
 def checkpoint_names(path: str) -> list[str]:
     """Tensor names of a checkpoint, from the file headers only."""
     from safetensors import safe_open
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if os.path.isdir(path) else [path]
     names = []
-    for f in files:
+    for f in _safetensors_files(path):
         with safe_open(f, "pt") as handle:
             names += list(handle.keys())
     return names
