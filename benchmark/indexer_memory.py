@@ -1,6 +1,7 @@
 """Peak temporary bytes of the lightning indexer's top-k selection at a long context, one pass vs in chunks.
 
-    python benchmark/indexer_memory.py [--context 131072] [--queries 8] [--out benchmark/results/indexer_memory_cpu.jsonl]
+    python benchmark/indexer_memory.py [--context 131072] [--queries 8] \
+        [--out benchmark/results/indexer_memory_cpu.jsonl]
 
 Runs ``dsv4.compressor.Indexer.select`` on the CPU at V4-Flash indexer shapes (64 heads, head dim 128, top-k 512,
 hidden 4096, q rank 1024) for ``--queries`` queries at the end of a ``--context``-token sequence (one index key per

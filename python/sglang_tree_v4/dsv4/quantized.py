@@ -10,9 +10,9 @@ Formats (the published DeepSeek-V4 layout; ``../shared/notes`` lists where each 
   e8m0 ``[out, in/32]``.
 
 Resident bytes stay those of the checkpoint: FP8 scales are kept in the dense dtype (one per 16,384 weights; powers
-of two are exact in bf16 too), FP4 scales as their e8m0 byte (one per 32 weights; float32 would add 25 %). The torch code here is the CPU path and the reference
-for GPU kernels: each forward dequantises one block of output rows (or one expert) at a time, so temporaries are
-bounded by a block, never the whole weight.
+of two are exact in bf16 too), FP4 scales as their e8m0 byte (one per 32 weights; float32 would add 25 %). The torch
+code here is the CPU path and the reference for GPU kernels: each forward dequantises one block of output rows (or
+one expert) at a time, so temporaries are bounded by a block, never the whole weight.
 """
 
 from __future__ import annotations
