@@ -160,19 +160,44 @@ def test_fp8_and_fp4_quantizers_round_trip():
     assert torch.equal(dequantize_fp4(*quantize_fp4(d)), d)  # dequantised values are on the grid
 
 
+def _footprint(*args: str) -> dict:
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_footprint_of_the_published_v4_flash_config():
     """The footprint report at V4-Flash shapes (meta device, no memory): the routed experts are held as FP4 bytes
     plus e8m0 scales, exactly (43 + 1 MTP) x 256 experts x 3 matrices x 2048 x 4096 x (1/2 + 1/32) bytes, and the
-    FP8 linears as one byte per weight."""
+    FP8 linears as one byte per weight. Sharded over ``--tp N`` ranks (SGLang's parallel layers, expert parallel
+    MoE), each rank holds 1/N of the experts and at most 0.55x (TP2), 45 GB (TP4), 24 GB (TP8)."""
+    from pathlib import Path
+    config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
+    reports = {tp: _footprint(config, "--tp", str(tp)) for tp in (1, 2, 4, 8)}
+    report = reports[1]
+    experts = 44 * 256 * 3 * 2048 * 4096 * 17 // 32
+    assert report["param_bytes_by_dtype"]["uint8"] == experts
+    assert report["param_bytes_by_dtype"]["float8_e4m3fn"] > 0
+    assert report["param_bytes_per_rank"] == sum(report["param_bytes_by_dtype"].values())
+    assert {"construct_s", "tp", "tp_rank", "dtype"} <= set(report)
+    for tp, r in reports.items():
+        assert r["tp"] == tp and r["param_bytes_by_dtype"]["uint8"] == experts // tp
+        assert r["param_bytes_by_dtype"]["float8_e4m3fn"] < report["param_bytes_by_dtype"]["float8_e4m3fn"] or tp == 1
+    assert reports[2]["param_bytes_per_rank"] <= 0.55 * report["param_bytes_per_rank"]
+    assert reports[4]["param_bytes_per_rank"] <= 45e9
+    assert reports[8]["param_bytes_per_rank"] <= 24e9
+    last = _footprint(config, "--tp", "8", "--tp-rank", "7")  # ranks hold equal shares (no vocabulary padding)
+    assert last["param_bytes_per_rank"] == reports[8]["param_bytes_per_rank"] and last["tp_rank"] == 7
+
+
+def test_footprint_names_a_tp_that_does_not_divide():
     import subprocess
     import sys
     from pathlib import Path
-    config = Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json"
-    done = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", str(config)], capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["param_bytes_by_dtype"]["uint8"] == 44 * 256 * 3 * 2048 * 4096 * 17 // 32
-    assert report["param_bytes_by_dtype"]["float8_e4m3fn"] > 0
-    assert report["param_bytes_per_rank"] == sum(report["param_bytes_by_dtype"].values())
-    assert {"construct_s", "tp", "dtype"} <= set(report)
+    config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
+    done = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tp", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "--tp 3" in done.stderr and "num_attention_heads (64)" in done.stderr

@@ -71,27 +71,46 @@ def test_published_layout_matches_hf(servers, checkpoints, prompt_ids, name):
 
 
 def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
-    """The server logs the parameter bytes it holds after loading; ``python -m sglang_tree_v4.footprint`` builds
-    the same model on the meta device from the checkpoint's config: the two agree, and the kept-quantized model is
-    far below its dense float32 size (FP4 experts take 1/8 of float32, FP8 linears 1/4)."""
+    """The server logs the parameter bytes each rank holds after loading; ``python -m sglang_tree_v4.footprint``
+    builds the same model on the meta device from the checkpoint's config (``--tp 2 --tp-rank r`` for the
+    sharded server's ranks): the two agree, and the kept-quantized model is far below its dense float32 size (FP4
+    experts take 1/8 of float32, FP8 linears 1/4)."""
     import json
     import re
     import subprocess
     import sys
 
-    log = servers["published"].log.read_text()
-    held = json.loads(re.findall(r"TREE_V4 DeepSeek-V4 parameters: (\{.*\})", log)[-1])
-    report = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", str(checkpoints["published"]),
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=300,
-                            env=launcher.clean_env())
-    assert report.returncode == 0, report.stderr[-2000:]
-    predicted = json.loads(report.stdout.strip().splitlines()[-1])
-    assert held["param_bytes_per_rank"] == predicted["param_bytes_per_rank"]
-    assert held["param_bytes_by_dtype"] == predicted["param_bytes_by_dtype"]
+    def footprint(*args):
+        report = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", str(checkpoints["published"]),
+                                 "--dtype", "float32", *args], capture_output=True, text=True, timeout=300,
+                                env=launcher.clean_env())
+        assert report.returncode == 0, report.stderr[-2000:]
+        return json.loads(report.stdout.strip().splitlines()[-1])
+
+    def held(name):
+        lines = re.findall(r"TREE_V4 DeepSeek-V4 parameters: (\{.*\})", servers[name].log.read_text())
+        return {(h["tp"], h["tp_rank"]): h for h in map(json.loads, lines)}
+
+    tp1 = held("published")[(1, 0)]
+    predicted = footprint()
+    assert tp1["param_bytes_per_rank"] == predicted["param_bytes_per_rank"]
+    assert tp1["param_bytes_by_dtype"] == predicted["param_bytes_by_dtype"]
+    tp2 = held("published-tree-tp2")
+    assert set(tp2) == {(2, 0), (2, 1)}, tp2
+    for rank in (0, 1):  # each rank of the --tp 2 server holds exactly what the report says for that rank
+        predicted = footprint("--tp", "2", "--tp-rank", str(rank))
+        assert tp2[(2, rank)]["param_bytes_by_dtype"] == predicted["param_bytes_by_dtype"]
+        assert tp2[(2, rank)]["param_bytes_per_rank"] < 0.8 * tp1["param_bytes_per_rank"]
     dense = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", str(rf.EMBEDDED), "--dtype", "float32"],
                            capture_output=True, text=True, timeout=300, env=launcher.clean_env())
     dense_bytes = json.loads(dense.stdout.strip().splitlines()[-1])["param_bytes_per_rank"]
-    assert held["param_bytes_per_rank"] < 0.6 * dense_bytes, (held, dense_bytes)
+    assert tp1["param_bytes_per_rank"] < 0.6 * dense_bytes, (tp1, dense_bytes)
+
+
+def test_tp2_tree_equals_tp1_tree(servers, prompt_ids):
+    """The sharded ``--tp 2`` TREE_V4 server emits exactly the ``--tp 1`` TREE_V4 server's greedy tokens."""
+    one, two = _greedy(servers["published-tree"], prompt_ids), _greedy(servers["published-tree-tp2"], prompt_ids)
+    assert [o["output_ids"] for o in two] == [o["output_ids"] for o in one]
 
 
 def test_save_pretrained_checkpoint_matches_hf(servers, checkpoints, prompt_ids):

@@ -1,8 +1,12 @@
-"""``--tp 2`` on the CPU: a TREE_V4 server whose two ranks each hold the whole model must emit exactly plain
-greedy decoding (our model without SGLang is the ground truth) on the embedded trained model, whose drafts are
+"""``--tp 2`` on the CPU: a TREE_V4 server whose two ranks each hold half of the heads, experts and vocabulary
+(SGLang's parallel layers over its gloo TP group) must emit exactly plain greedy decoding (our unsharded model
+without SGLang is the ground truth, the one ``--tp 1`` matches too) on the embedded trained model, whose drafts are
 accepted, and serve sampled requests."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 
@@ -31,6 +35,9 @@ def test_tp2_tree_v4_greedy_equals_plain_decoding(tmp_path):
         sampled = server.generate({"text": ["Tom has"] * 8,
                                    "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}})
         assert [len(o["output_ids"]) for o in sampled] == [16] * 8
-        assert "TP1" in server.log.read_text()  # two ranks really ran
+        log = server.log.read_text()
+        assert "TP1" in log  # two ranks really ran
+        held = [json.loads(h) for h in re.findall(r"TREE_V4 DeepSeek-V4 parameters: (\{.*\})", log)]
+        assert sorted((h["tp"], h["tp_rank"]) for h in held) == [(2, 0), (2, 1)]
     finally:
         server.stop()

@@ -33,7 +33,9 @@ class Attention(nn.Module):
         layer_type = SLIDING if ratio == 0 else (CSA if cfg.is_csa_ratio(ratio) else HCA)
         D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.cfg, self.layer_type = cfg, layer_type
-        self.n_heads, self.head_dim, self.window, self.eps = H, hd, cfg.window, cfg.rms_norm_eps
+        # Heads and output groups held here: all of them, or one rank's share once ``tp`` has sharded the layer.
+        self.n_heads, self.o_groups = H, cfg.o_groups
+        self.head_dim, self.window, self.eps = hd, cfg.window, cfg.rms_norm_eps
         self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
@@ -86,7 +88,7 @@ class Attention(nn.Module):
         o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_slots, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
-        g = self.cfg.o_groups
+        g = self.o_groups
         wa = dense_weight(self.wo_a).to(o.dtype).view(g, -1, H * hd // g)
         o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, H * hd // g), wa).flatten(1)
         return self.wo_b(o)

@@ -59,33 +59,38 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``. ``expert(e)`` gives one expert's float
     weights; a quantized subclass (``quantized.FP4Experts``) keeps them packed and dequantises one expert at a
-    time."""
+    time. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the model's and adds only
+    their share of each token (the ranks' shares are summed by an all-reduce, see ``tp``)."""
 
-    def __init__(self, n: int, dim: int, inter: int, limit: float):
+    def __init__(self, n: int, dim: int, inter: int, limit: float, first: int = 0):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
-        self.limit = limit
+        self.limit, self.first = limit, first
 
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1 [I, D], w3 [I, D], w2 [D, I]) of expert ``e``."""
+        """(w1 [I, D], w3 [I, D], w2 [D, I]) of local expert ``e``."""
         return self.w1[e], self.w3[e], self.w2[e]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Grouped dispatch: the (token, expert) pairs sorted by expert, three segmented matmuls over all experts
         at once (``torch._grouped_mm`` with per-expert offsets, CPU and CUDA), the weighted rows added back to their
-        tokens. No loop over experts and no host synchronisation."""
+        tokens. No loop over experts and no host synchronisation. Pairs routed to another rank's experts sort
+        last, past the final offset, where the grouped matmul leaves its output undefined: they are masked out."""
         n, k = idx.shape
-        flat = idx.reshape(-1)
+        held = self.w1.shape[0]
+        local = idx.reshape(-1) - self.first
+        mine = (local >= 0) & (local < held)
+        flat = torch.where(mine, local, held)
         order = flat.argsort(stable=True)
         tokens = order // k
-        offsets = torch.bincount(flat, minlength=self.w1.shape[0]).cumsum(0).to(torch.int32)
+        offsets = torch.bincount(flat, minlength=held + 1)[:held].cumsum(0).to(torch.int32)
         rows = x[tokens]
         gate = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offsets)
         up = torch._grouped_mm(rows, self.w3.transpose(1, 2), offs=offsets)
         down = torch._grouped_mm(swiglu(gate, up, self.limit), self.w2.transpose(1, 2), offs=offsets)
-        weighted = down * w.reshape(-1)[order, None].to(down.dtype)
+        weighted = torch.where(mine[order, None], down * w.reshape(-1)[order, None].to(down.dtype), 0)
         return torch.zeros_like(x).index_add(0, tokens, weighted.to(x.dtype))
 
 

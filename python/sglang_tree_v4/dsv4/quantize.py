@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -75,14 +75,18 @@ def swap_quantized(model: nn.Module, q: Quantization) -> nn.Module:
 
 
 def build_model(cfg: DSV4Config, raw_config: Mapping[str, Any] | None = None, with_mtp: bool = True,
-                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> nn.Module:
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                shard: Callable[[nn.Module], Any] | None = None) -> nn.Module:
     """``DSV4Model`` with the checkpoint's quantization, parameters allocated (uninitialised) on ``device``
-    (default: torch's current default device; ``"meta"`` to only measure it)."""
+    (default: torch's current default device; ``"meta"`` to only measure it). ``shard``: a second swap step run on
+    the meta model before anything is allocated (``tp.shard_model``: this rank's share of every module)."""
     from .model import DSV4Model
     device = torch.device(device) if device is not None else torch.get_default_device()
     with torch.device("meta"):
         model = DSV4Model(cfg, with_mtp=with_mtp)
     swap_quantized(model, Quantization.from_config(raw_config))
+    if shard is not None:
+        shard(model)
     for t in list(model.parameters()) + list(model.buffers()):  # dense weights in the serving dtype
         if t.dtype in (torch.float32, torch.float16, torch.bfloat16) and t.dtype != dtype:
             t.data = torch.empty_like(t, dtype=dtype)

@@ -63,12 +63,24 @@ def pack_fp4(values: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, start: int = 0, stop: int | None = None
-                   ) -> torch.Tensor:
-    """float32 rows ``[start, stop)`` of a block-scaled FP8 matrix (``start`` a multiple of the block)."""
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, start: int = 0, stop: int | None = None,
+                   offsets: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """float32 rows ``[start, stop)`` of a block-scaled FP8 matrix. ``offsets``: where this tensor's element
+    (0, 0) sits inside its first 128 x 128 block -- non-zero for a tensor-parallel shard that does not start on a
+    block boundary (its scale then holds every block its rows and columns touch)."""
     w = weight[start:stop].float()
-    s = scale.float()[start // FP8_BLOCK: start // FP8_BLOCK + -(-w.shape[0] // FP8_BLOCK)]
-    return w * s.repeat_interleave(FP8_BLOCK, 0)[: w.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : w.shape[1]]
+    rows = (torch.arange(start, start + w.shape[0], device=w.device) + offsets[0]) // FP8_BLOCK
+    cols = (torch.arange(w.shape[1], device=w.device) + offsets[1]) // FP8_BLOCK
+    return w * scale.float()[rows][:, cols]
+
+
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     offsets: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``x W^T`` for a block-scaled FP8 ``W``, dequantising one block of output rows at a time (temporaries
+    bounded by 128 rows of ``W``). The CPU path and the reference for a GPU FP8 block GEMM."""
+    out = [x.float() @ dequantize_fp8(weight, scale, r, r + FP8_BLOCK, offsets).t()
+           for r in range(0, weight.shape[0], FP8_BLOCK)]
+    return torch.cat(out, dim=-1).to(x.dtype)
 
 
 def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,6 +91,8 @@ def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class FP8BlockLinear(nn.Module):
     """``y = x W^T`` with ``W`` FP8 e4m3 and one power-of-two scale per 128 x 128 block (DeepSeek's layout)."""
 
+    offsets = (0, 0)  # a whole matrix starts on a block boundary
+
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -86,23 +100,19 @@ class FP8BlockLinear(nn.Module):
         self.register_buffer("scale", torch.empty(-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK),
                                                   dtype=torch.float32, device=device))
 
-    def dequantized(self) -> torch.Tensor:
-        """The whole float32 weight (for callers that need it as a matrix, e.g. a grouped projection)."""
-        return dequantize_fp8(self.weight, self.scale)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = []
-        for r in range(0, self.out_features, FP8_BLOCK):
-            out.append(x.float() @ dequantize_fp8(self.weight, self.scale, r, r + FP8_BLOCK).t())
-        return torch.cat(out, dim=-1).to(x.dtype)
+        return fp8_block_matmul(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, 128x128 block scales"
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """A linear's weight as a float matrix, whether it is ``nn.Linear`` or kept quantized."""
-    return linear.dequantized() if hasattr(linear, "dequantized") else linear.weight
+    """A linear's weight as a float matrix, whether it is dense or kept FP8 (``FP8BlockLinear``, or one of
+    SGLang's parallel linears holding our FP8 block weights, see ``tp``)."""
+    if linear.weight.dtype == FP8_DTYPE:
+        return dequantize_fp8(linear.weight, linear.scale, offsets=getattr(linear, "offsets", (0, 0)))
+    return linear.weight
 
 
 class FP4Experts(Experts):
@@ -110,9 +120,9 @@ class FP4Experts(Experts):
     scales ``w*_scale [E, out, in/32]``. Used through ``Experts``' interface: ``expert(e)`` dequantises one expert
     (the tile the matmul needs), nothing else is ever materialised."""
 
-    def __init__(self, n: int, dim: int, inter: int, limit: float, device=None):
+    def __init__(self, n: int, dim: int, inter: int, limit: float, device=None, first: int = 0):
         nn.Module.__init__(self)
-        self.limit = limit
+        self.limit, self.first = limit, first
         for name, (out, inp) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
             self.register_buffer(name, torch.empty(n, out, inp // 2, dtype=torch.uint8, device=device))
             self.register_buffer(name + "_scale", torch.empty(n, out, inp // FP4_GROUP, dtype=torch.uint8,
@@ -122,17 +132,19 @@ class FP4Experts(Experts):
         return tuple(dequantize_fp4(getattr(self, n)[e], getattr(self, n + "_scale")[e]) for n in ("w1", "w3", "w2"))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The CPU reference: one expert present in the batch at a time, dequantised for its matmuls (on a GPU this
-        is the place for a fused FP4 MoE kernel)."""
+        """The CPU reference: one expert present in the batch (and held by this rank) at a time, dequantised for
+        its matmuls (on a GPU this is the place for a fused FP4 MoE kernel)."""
         n, k = idx.shape
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)
         weights = w.reshape(-1)
         for e in flat.unique().tolist():
+            if not self.first <= e < self.first + self.w1.shape[0]:
+                continue  # another rank's expert
             sel = (flat == e).nonzero().squeeze(1)
             t = tokens[sel]
-            w1, w3, w2 = (m.to(x.dtype) for m in self.expert(e))
+            w1, w3, w2 = (m.to(x.dtype) for m in self.expert(e - self.first))
             h = swiglu(x[t] @ w1.t(), x[t] @ w3.t(), self.limit)
             out = out.index_add(0, t, (h @ w2.t()) * weights[sel, None])
         return out

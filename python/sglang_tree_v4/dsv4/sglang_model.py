@@ -15,8 +15,10 @@ ancestors' verify slots above it, with the ancestry taken from ``spec_info.custo
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 from typing import Iterable
 
 import torch
@@ -24,8 +26,9 @@ from torch import nn
 
 from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
+from .tp import shard_model
 from .storage import SlotStore, SlotTable, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
-from .weights import StreamingLoader
+from .weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +71,13 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         raw = getattr(config, RAW_CONFIG_ATTR)
         self.cfg = DSV4Config.from_dict(raw)
-        # Built on the meta device with the checkpoint's quantization swapped in, then allocated in SGLang's dtype
-        # and device (its loader sets both as defaults around this constructor).
+        # Built on the meta device with the checkpoint's quantization swapped in and cut to this tensor-parallel
+        # rank's share (``tp``), then allocated in SGLang's dtype and device (its loader sets both as defaults
+        # around this constructor).
         self.model = build_model(self.cfg, raw, with_mtp=self.cfg.num_nextn_predict_layers > 0,
-                                 dtype=torch.get_default_dtype())
-        # The whole model is replicated on every tensor-parallel rank, so logits need no gather.
-        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
+                                 dtype=torch.get_default_dtype(), shard=shard_model)
+        # The head is vocabulary-parallel: SGLang's logits processor gathers the ranks' parts.
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=self.model.tp_rank_size[1] == 1)
         self.last_streams: torch.Tensor | None = None
         self._stores: tuple[SlotStore, SlotStore | None, torch.Tensor] | None = None
 
@@ -127,10 +131,15 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Streams SGLang's ``(name, tensor)`` iterator into the model one tensor at a time. A checkpoint without
-        ``mtp.*`` tensors (e.g. transformers' ``save_pretrained``, which has no MTP module) is served without the
-        MTP layer; TREE_V4 then refuses to start, naming the missing layer."""
+        """Streams the checkpoint into the model one tensor at a time. From a local folder the files are read
+        directly through safetensors slice handles, so each rank reads only its own part of every sharded tensor
+        (and none of another rank's experts); otherwise SGLang's ``(name, tensor)`` iterator is used. A checkpoint
+        without ``mtp.*`` tensors (e.g. transformers' ``save_pretrained``, which has no MTP module) is served
+        without the MTP layer; TREE_V4 then refuses to start, naming the missing layer."""
         loader = StreamingLoader(self.model)
+        folder = getattr(self.config, "_name_or_path", "")
+        if folder and os.path.isdir(folder) and glob.glob(os.path.join(folder, "*.safetensors")):
+            weights = iter_safetensors(folder, lazy=True)
         with torch.no_grad():
             for name, tensor in weights:
                 loader.feed(name, tensor)
@@ -141,7 +150,9 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             self.model.mtp = nn.ModuleList()
             loader.forget("mtp.")
         loader.finish()
-        logger.info("TREE_V4 DeepSeek-V4 parameters: %s", json.dumps(parameter_bytes(self.model)))
+        rank, size = self.model.tp_rank_size
+        logger.info("TREE_V4 DeepSeek-V4 parameters: %s",
+                    json.dumps(dict(parameter_bytes(self.model), tp_rank=rank, tp=size)))
 
 
 EntryClass = [TreeV4DeepseekV4ForCausalLM]

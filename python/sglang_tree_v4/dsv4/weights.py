@@ -95,6 +95,24 @@ def to_deepseek(name: str) -> str:
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 _PACKED = (torch.int8, torch.uint8)
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                "F8_E8M0": getattr(torch, "float8_e8m0fnu", torch.uint8)}
+
+
+# A checkpoint tensor arrives either read (``torch.Tensor``) or as a safetensors slice handle that reads from disk
+# only the part that is indexed; these three answer for both.
+def _dtype(t) -> torch.dtype:
+    return t.dtype if isinstance(t, torch.Tensor) else _FILE_DTYPES[t.get_dtype()]
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
+def _whole(t) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t[...]
 
 
 def dequantize(name: str, w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -132,6 +150,10 @@ def _stem(name: str) -> str:
 class StreamingLoader:
     """Copies checkpoint tensors into a model one at a time, as they are read (a file never has to be held whole).
 
+    A tensor-parallel rank's model carries ``shard_plan`` (``tp.shard_model``): for each sharded tensor the slice
+    this rank holds. Fed safetensors slice handles (``iter_safetensors(..., lazy=True)``), the loader reads from
+    disk only that slice, and never reads another rank's experts at all.
+
     A target that is kept quantized (``quantized.FP8BlockLinear``, ``quantized.FP4Experts``) receives the weight and
     its scale as stored; a dense target receives the dequantised weight, so a quantized weight waits here only until
     its scale arrives (a weight and its scale live in the same file). ``finish`` names what is missing, left
@@ -142,35 +164,58 @@ class StreamingLoader:
         self.dtype = next((v.dtype for k, v in self.own.items() if k.endswith("embed.weight")), torch.float32)
         self.has_mtp = any(k.startswith("mtp.") for k in self.own)
         self.strict = strict
+        self.plan = getattr(model, "shard_plan", {})
         self.filled: set[str] = set()
         self.experts: dict[str, set[int]] = {}
         self.pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # stem -> {"weight"/"scale": (name, t)}
         self.unexpected: list[str] = []
 
     # -- routing ------------------------------------------------------------------------------------------------
-    def feed(self, name: str, t: torch.Tensor) -> None:
+    def feed(self, name: str, t) -> None:
+        """``t``: the tensor, or a safetensors slice handle (then only this rank's part is read)."""
         internal = to_internal(name)
         if internal is None or (internal.startswith("mtp.") and not self.has_mtp):
             return  # deliberately not loaded (the MTP's copies of shared tensors; a model built without MTP)
         m = _EXPERT_RE.match(name)
         if m:
-            return self._feed_expert(name, t, to_internal(f"{m.group(1)}.{m.group(3)}"), int(m.group(2)),
-                                     "weight" if m.group(4) == "weight" else "scale")
+            base = to_internal(f"{m.group(1)}.{m.group(3)}")
+            e = self._local_expert(base, int(m.group(2)))
+            if e is None:
+                return  # another rank's expert: never read
+            return self._feed_expert(name, _whole(t), base, e, "weight" if m.group(4) == "weight" else "scale")
         if name.endswith(_SCALE_SUFFIXES):
             weight = to_internal(_stem(name) + ".weight")
             if weight in self.own:  # the block scale of a quantized weight (not a parameter named "scale")
                 if self.own[weight].dtype in _FP8:
-                    return self._copy(name, weight[: -len(".weight")] + ".scale", e8m0_to_float(t), scale=True)
-                return self._pair(name, t, "scale", lambda w, sc: self._dense(w[0], w[1], sc))
+                    key = weight[: -len(".weight")] + ".scale"
+                    return self._copy(name, key, e8m0_to_float(self._part(name, key, t)), scale=True)
+                return self._pair(name, _whole(t), "scale", lambda w, sc: self._dense(w[0], w[1], sc))
         own = self.own.get(internal)
         if own is not None and own.dtype in _FP8:
-            if t.dtype not in _FP8:
+            if _dtype(t) not in _FP8:
                 raise CheckpointError(f"{name}: expected an FP8 e4m3 weight (the config declares FP8 linears), got "
-                                      f"{t.dtype}")
-            return self._copy(name, internal, t)
-        if t.dtype in _FP8 or t.dtype in _PACKED:
-            return self._pair(name, t, "weight", lambda w, sc: self._dense(w[0], w[1], sc))
+                                      f"{_dtype(t)}")
+            return self._copy(name, internal, self._part(name, internal, t))
+        if _dtype(t) in _FP8 or _dtype(t) in _PACKED:
+            return self._pair(name, _whole(t), "weight", lambda w, sc: self._dense(w[0], w[1], sc))
         self._dense(name, t, None)
+
+    def _part(self, name: str, key: str, t) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``t`` for module tensor ``key`` (all of it when not sharded)."""
+        shard = self.plan.get(key)
+        if shard is None:
+            return _whole(t)
+        shape = _shape(t)
+        if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+            raise CheckpointError(f"{name}: wrong shape: {shape} in checkpoint, model expects {shard.full} along "
+                                  f"dimension {shard.dim} (split over the tensor-parallel ranks)")
+        return t[(slice(None),) * shard.dim + (slice(shard.start, shard.stop),)]
+
+    def _local_expert(self, base: str, e: int) -> int | None:
+        shard = self.plan.get(base)
+        if shard is None:
+            return e
+        return e - shard.start if shard.start <= e < shard.stop else None
 
     def _feed_expert(self, name: str, t: torch.Tensor, base: str, e: int, part: str) -> None:
         own = self.own.get(base)
@@ -210,23 +255,30 @@ class StreamingLoader:
             raise CheckpointError(f"{name}: {what}: shape {tuple(t.shape)} in checkpoint, model expects "
                                   f"{tuple(own.shape)}" + (" (FP4: two values per byte)" if packed else ""))
 
-    def _dense(self, name: str, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+    def _dense(self, name: str, t, scale: torch.Tensor | None) -> None:
         base = to_internal(name)
         if base.endswith(".ffn.experts.gate_up_proj"):  # HF in memory: [E, 2I, D] = cat(w1, w3)
-            w = dequantize(name, t, None, self.dtype)
-            half = w.shape[1] // 2
             stem = base[: -len("gate_up_proj")]
+            w = dequantize(name, self._part(name, stem + "w1", t), None, self.dtype)
+            half = w.shape[1] // 2
             self._copy(name, stem + "w1", w[:, :half])
             self._copy(name, stem + "w3", w[:, half:])
         elif base.endswith(".ffn.experts.down_proj"):
-            self._copy(name, base[: -len("down_proj")] + "w2", dequantize(name, t, None, self.dtype))
-        else:
-            self._copy(name, base, dequantize(name, t, scale, self.dtype))
+            key = base[: -len("down_proj")] + "w2"
+            self._copy(name, key, dequantize(name, self._part(name, key, t), None, self.dtype))
+        elif scale is None:
+            self._copy(name, base, dequantize(name, self._part(name, base, t), None, self.dtype))
+        else:  # quantized where the config keeps it dense: dequantised whole, then this rank's part
+            self._copy(name, base, self._part(name, base, dequantize(name, t, scale, self.dtype)))
 
     def _copy(self, name: str, key: str, w: torch.Tensor, scale: bool = False) -> None:
         own = self.own.get(key)
         if own is None:
             return self._unexpected(key)
+        shard = self.plan.get(key)
+        if shard is not None and own.shape[shard.dim] > shard.stop - shard.start == w.shape[shard.dim]:
+            own.zero_()  # vocabulary padding past the last real row
+            own = own.narrow(shard.dim, 0, w.shape[shard.dim])
         if tuple(own.shape) != tuple(w.shape):
             what = "scale does not tile its weight: " if scale else ""
             raise CheckpointError(f"{name} ({key}): {what}shape {tuple(w.shape)} in checkpoint, model expects "
@@ -291,13 +343,14 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str):
-    """``(name, tensor)`` of every ``*.safetensors`` file under ``path``, one tensor at a time (``safe_open``)."""
+def iter_safetensors(path: str, lazy: bool = False):
+    """``(name, tensor)`` of every ``*.safetensors`` file under ``path``, one tensor at a time (``safe_open``);
+    ``lazy``: a slice handle instead of the tensor, valid until the next item (read only what is indexed)."""
     from safetensors import safe_open
     for f in _safetensors_files(path):
         with safe_open(f, "pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, (handle.get_slice(name) if lazy else handle.get_tensor(name))
 
 
 def checkpoint_names(path: str) -> list[str]:
