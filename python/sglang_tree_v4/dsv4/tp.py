@@ -133,21 +133,20 @@ class _Sharder:
 
     def column_parallel(self, linear: nn.Module, name: str) -> nn.Module:
         layer = self.column(linear.in_features, linear.out_features, bias=False, quant_config=self._quant(linear))
-        out = layer.output_size_per_partition
-        self.plan[name + ".weight"] = Shard(0, self.rank * out, (self.rank + 1) * out, linear.out_features)
-        if isinstance(linear, FP8BlockLinear):
-            lo, hi = _blocks(self.rank * out, out)
-            self.plan[name + ".scale"] = Shard(0, lo, hi, -(-linear.out_features // FP8_BLOCK))
-        return layer
+        return self._record(linear, layer, name, 0, layer.output_size_per_partition, linear.out_features)
 
     def row_parallel(self, linear: nn.Module, name: str, reduce: bool) -> nn.Module:
         layer = self.row(linear.in_features, linear.out_features, bias=False, input_is_parallel=True,
                          reduce_results=reduce, quant_config=self._quant(linear))
-        part = layer.input_size_per_partition
-        self.plan[name + ".weight"] = Shard(1, self.rank * part, (self.rank + 1) * part, linear.in_features)
+        return self._record(linear, layer, name, 1, layer.input_size_per_partition, linear.in_features)
+
+    def _record(self, linear: nn.Module, layer: nn.Module, name: str, dim: int, part: int, full: int) -> nn.Module:
+        """The checkpoint slices ``layer`` holds: ``part`` of ``full`` along ``dim``, and the scale blocks they touch."""
+        start = self.rank * part
+        self.plan[name + ".weight"] = Shard(dim, start, start + part, full)
         if isinstance(linear, FP8BlockLinear):
-            lo, hi = _blocks(self.rank * part, part)
-            self.plan[name + ".scale"] = Shard(1, lo, hi, -(-linear.in_features // FP8_BLOCK))
+            lo, hi = _blocks(start, part)
+            self.plan[name + ".scale"] = Shard(dim, lo, hi, -(-full // FP8_BLOCK))
         return layer
 
     def attention(self, attn: Attention, name: str) -> None:
