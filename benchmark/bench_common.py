@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gsm8k", "mbpp", "sharegpt")
 BUDGETS = (5, 6, 7, 8)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-SHAPES = ("tree", "chain", "none")
+SHAPES = ("tree", "chain", "none", "adaptive")  # adaptive: TREE_V4 without shape flags (budget = its largest D)
 
 # Record fields and their JSON types. budget = tokens verified per request per target pass (root included), so
 # "no speculation" is budget 1 with topk 0 and num_steps 0.

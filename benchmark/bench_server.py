@@ -64,6 +64,12 @@ def flush_cache(server: Server) -> None:
         pass
 
 
+def shape_steps(server: Server) -> dict[str, int]:
+    """TREE_V4's cumulative steps per tree shape (``/get_server_info``; empty for other servers)."""
+    info = requests.get(server.url + "/get_server_info", timeout=60).json()
+    return dict(info["internal_states"][0].get("tree_v4_shape_steps") or {})
+
+
 def measure(server: Server, texts: list[str], batch_size: int, sampling: dict) -> dict:
     """Run ``texts`` with ``batch_size`` requests in flight; -> the point's metrics.
 

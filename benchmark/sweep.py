@@ -79,11 +79,17 @@ def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
             out.append(("chain", d, *bc.chain_shape(d)))
     if "none" in args.shapes:
         out.append(("none", 1, 0, 0))
+    if "adaptive" in args.shapes:
+        from sglang_tree_v4.speculative.server_args import DEFAULT_DRAFT_TOKENS, DEFAULT_STEPS, DEFAULT_TOPK
+        out.append(("adaptive", DEFAULT_DRAFT_TOKENS, DEFAULT_TOPK, DEFAULT_STEPS))
     return out
 
 
 def server_groups(configs: list[tuple], max_servers: int) -> list[list[tuple]]:
-    """Configurations that run side by side: same budget, at most ``max_servers`` at a time."""
+    """Configurations that run side by side: all of them when they fit in ``max_servers``, else same budget, at
+    most ``max_servers`` at a time."""
+    if len(configs) <= max_servers:
+        return [list(configs)] if configs else []
     groups: list[list[tuple]] = []
     for c in configs:
         if groups and groups[-1][0][1] == c[1] and len(groups[-1]) < max_servers:
@@ -102,9 +108,9 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
         for cfg in group:
             shape, budget, topk, steps = cfg
             log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
-            servers[cfg] = bench_server.launch(args.model_path, args.device,
-                                               bench_server.spec_args(topk, steps, budget) + args.server_args.split(),
-                                               log)
+            flags = (["--speculative-algorithm", "TREE_V4"] if shape == "adaptive" else
+                     bench_server.spec_args(topk, steps, budget))
+            servers[cfg] = bench_server.launch(args.model_path, args.device, flags + args.server_args.split(), log)
         bar.set_postfix_str("starting " + ", ".join(f"{c[0]} D={c[1]} K={c[2]} S={c[3]}" for c in group))
         for cfg in list(servers):
             try:
@@ -124,7 +130,12 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
                     shape, budget, topk, steps = cfg
                     bar.set_postfix_str(f"{shape} D={budget} K={topk} S={steps} {ds} bs={bs}")
                     try:
+                        before = bench_server.shape_steps(server)
                         m = bench_server.measure(server, texts[ds][:n_for[bs]], bs, sampling)
+                        after = bench_server.shape_steps(server)
+                        if after:  # TREE_V4's steps per tree shape during this point ("none": no speculation)
+                            m["shape_steps"] = {k: v - before.get(k, 0) for k, v in after.items()
+                                                if v - before.get(k, 0) > 0}
                     except Exception as e:  # noqa: BLE001
                         failures += 1
                         tqdm.write(f"FAILED {cfg} {ds} bs={bs}: {e!r} (log: {server.log})")

@@ -12,6 +12,8 @@ import os
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 NAME = "TREE_V4"
+SERVER_INFO_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
+                      "SchedulerInternalStateController._add_speculative")
 
 
 class TreeV4Algorithm(CustomSpecAlgo):
@@ -44,12 +46,24 @@ class TreeV4Algorithm(CustomSpecAlgo):
         os.environ[OWN_MODEL_ENV] = "1"  # inherited by the scheduler processes
 
 
+def add_shape_counters(result, controller, state: dict) -> None:
+    """AFTER hook on the scheduler's speculative server-info section: steps per tree shape (``none`` = decoded
+    without speculation) and whether the budget is adaptive, in ``/get_server_info``'s ``internal_states``."""
+    from .worker import ACTIVE
+
+    if ACTIVE:
+        state["tree_v4_shape_steps"] = dict(ACTIVE[0].shape_counts)
+        state["tree_v4_adaptive"] = ACTIVE[0].policy is not None
+
+
 def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import _REGISTRY
 
     if NAME in _REGISTRY:
         return
+    HookRegistry.register(SERVER_INFO_TARGET, add_shape_counters, HookType.AFTER)
 
     @SpeculativeAlgorithm.register(NAME, supports_overlap=False, spec_class=TreeV4Algorithm)
     def _worker_class(server_args):

@@ -102,9 +102,19 @@ def checkpoint_score_temperature(model_path: str) -> float:
     return draft_score_temperature(read_checkpoint_config(model_path) or {})
 
 
+ADAPTIVE_ENV = "SGLANG_TREE_V4_ADAPTIVE"  # "1": no shape flag was given, the worker picks the shape per step
+
+
 def handle_server_args(server_args) -> None:
-    """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared)."""
+    """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared).
+    Without any of the three shape flags the budget is adaptive (``adaptive_budget``), the defaults then being its
+    largest shape; the decision travels to the scheduler processes in ``ADAPTIVE_ENV``."""
+    import os
+
     draft_score_temperature(validate_model(server_args.model_path))
+    flags = (server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
+             server_args.speculative_num_steps)
+    os.environ[ADAPTIVE_ENV] = "1" if all(v is None for v in flags) else "0"
     budget = validate_budget(server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
                              server_args.speculative_num_steps)
     server_args.speculative_num_draft_tokens = budget.draft_tokens

@@ -14,11 +14,17 @@ A decode round, per batch:
    the next round overwrites and the request's release frees.
 
 Prefill rounds are plain target forwards.
+
+Without shape flags the budget is adaptive (``adaptive_budget``): before step 1 the worker picks this step's shape
+(D, S), possibly "no speculation" (the root alone is verified, i.e. ordinary decoding, and the MTP skips the step;
+its next catch-up covers the missed positions, at most one window). Outputs keep the server's largest-D layout.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 
@@ -32,12 +38,15 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
-from ..tree import SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
+from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
+from . import step_timer
+from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
 from .mtp_drafter import MTPTreeDrafter, catch_up
-from .server_args import TreeBudget, checkpoint_score_temperature
+from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
 logger = logging.getLogger(__name__)
+ACTIVE: list["TreeV4Worker"] = []  # this scheduler process's worker (read by the server-info hook)
 MTP_LEN_ATTR = "tree_v4_mtp_len"  # per request: positions whose MTP rows are current
 
 
@@ -74,8 +83,39 @@ class TreeV4Worker(BaseSpecWorker):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
         self.score_temperature = checkpoint_score_temperature(server_args.model_path)
-        logger.info("TREE_V4 worker: D=%d K=%d S=%d, draft score temperature %.3g", *vars(self.budget).values(),
-                    self.score_temperature)
+        self.tp_group = get_tp_group()
+        self.policy = self._adaptive_policy() if os.environ.get(ADAPTIVE_ENV) == "1" else None
+        self.shape_counts: dict[str, int] = {}
+        self._last_round_end: tuple[float, int] | None = None
+        ACTIVE[:] = [self]
+        logger.info("TREE_V4 worker: D=%d K=%d S=%d%s, draft score temperature %.3g", *vars(self.budget).values(),
+                    " (the largest shape of the adaptive budget)" if self.policy else "", self.score_temperature)
+
+    def _adaptive_policy(self) -> AdaptivePolicy:
+        """The step-time model from the cache file, or measured now on every rank (the forwards use the TP group);
+        rank 0 decides whether the cache is there."""
+        limits = (self.budget.draft_tokens, self.budget.topk, self.budget.steps)
+        max_batch = self.server_args.max_running_requests or 64
+        path = step_timer.cache_path(self.server_args.model_path, torch.device(self.device), self.tp_group.world_size,
+                                     self.adapter.model.embed.weight.dtype, limits + (max_batch,))
+        times = step_timer.read_cache(path) if self.tp_group.rank_in_group == 0 else None
+        hit = self._broadcast_ints([int(times is not None)])[0]
+        start = time.perf_counter()
+        if not hit:
+            times = step_timer.measure(self.adapter.model, *limits, max_batch=max_batch,
+                                       device=torch.device(self.device))
+            if self.tp_group.rank_in_group == 0:
+                step_timer.write_cache(path, times, time.perf_counter() - start)
+        logger.info("TREE_V4 adaptive budget: step times %s in %.1f s (%s)", "read" if hit else "measured",
+                    time.perf_counter() - start, path)
+        return AdaptivePolicy(*limits, times=times)
+
+    def _broadcast_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's integers on every rank."""
+        if self.tp_group.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self.tp_group.broadcast(t, src=0).tolist()
 
     # --- what the scheduler expects of a worker -------------------------------------------------------------
     def alloc_memory_pool(self, **kwargs):
@@ -113,10 +153,10 @@ class TreeV4Worker(BaseSpecWorker):
             speculative_num_draft_tokens=D)
 
     # --- decode: draft, verify, accept, commit --------------------------------------------------------------
-    def _draft(self, batch):
+    def _draft(self, batch, D: int, S: int) -> DraftTree:
         model = self.adapter.model
         _, mtp_store, streams = self.adapter.stores()
-        D, K, S = self.budget.draft_tokens, self.budget.topk, self.budget.steps
+        K = self.budget.topk
         req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
         lens = batch.seq_lens.tolist()
         window = model.cfg.window
@@ -144,7 +184,7 @@ class TreeV4Worker(BaseSpecWorker):
         return request_score_temperatures(self.score_temperature, info.temperatures.flatten(), info.top_ks)
 
     def _verify_input(self, batch, tree):
-        D = self.budget.draft_tokens
+        D = tree.width
         mask = tree.ancestor_mask().flatten()
         positions = tree.positions(batch.seq_lens.long()).flatten()
         rows = batch.req_pool_indices.long()[:, None]
@@ -175,14 +215,31 @@ class TreeV4Worker(BaseSpecWorker):
         return VerifyCoins(torch.cat([r.accept for r in rows]).to(self.device),
                            torch.cat([r.bonus for r in rows]).to(self.device))
 
+    def _shape(self, bs: int) -> tuple[int, int]:
+        """This step's (D, S): the pinned budget, or the adaptive choice of rank 0."""
+        if self.policy is None:
+            return self.budget.draft_tokens, self.budget.steps
+        d, s = self.policy.choose(bs) if self.tp_group.rank_in_group == 0 else NO_SPECULATION
+        d, s = self._broadcast_ints([d, s])
+        return d, s
+
     def _decode_round(self, batch, on_publish):
-        bs, D = len(batch.reqs), self.budget.draft_tokens
-        tree = self._draft(batch)
+        start = time.perf_counter()
+        bs, D_max = len(batch.reqs), self.budget.draft_tokens
+        D, S = self._shape(bs)
+        if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
+            roots = torch.tensor([req.output_ids[-1] for req in batch.reqs], device=self.device)
+            tree = DraftTree.from_parents(roots[:, None], torch.full((bs, 1), -1, device=self.device),
+                                          logprobs=torch.zeros(bs, 1, device=self.device))
+        else:
+            tree = self._draft(batch, D, S)
+        drafted = time.perf_counter()
         self._verify_input(batch, tree)
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
+        verified = time.perf_counter()
         logits_output = result.logits_output
         verdict = self._accept(batch, tree, logits_output.next_token_logits.view(bs, D, -1))
-        verdict = broadcast_verdict(verdict, get_tp_group())
+        verdict = broadcast_verdict(verdict, self.tp_group)
 
         flat_offset = torch.arange(bs, device=self.device)[:, None] * D
         accept_index = torch.where(verdict.accepted_nodes >= 0, verdict.accepted_nodes + flat_offset, -1)
@@ -197,13 +254,37 @@ class TreeV4Worker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        accept_tokens = torch.where(valid, predict[accept_index.clamp(min=0)], 0).to(torch.int32).flatten()
+        accept_tokens = torch.where(valid, predict[accept_index.clamp(min=0)], 0).to(torch.int32)
+        accept_tokens = torch.nn.functional.pad(accept_tokens, (0, D_max - D)).flatten()  # the server's layout
+        self._account(bs, (D, S), tree, verdict, (start, drafted, verified))
         return GenerationBatchResult(
             logits_output=logits_output, next_token_ids=accept_tokens, can_run_cuda_graph=False,
             accept_lens=accept_lens, new_seq_lens=new_seq_lens,
-            next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
+            next_draft_input=NgramVerifyInput(draft_token_num=D_max, new_seq_lens=new_seq_lens,
                                               accept_tokens=accept_tokens, accept_lens=accept_lens),
-            speculative_num_draft_tokens=D)
+            speculative_num_draft_tokens=D_max)
+
+    def _account(self, bs, shape, tree, verdict, marks) -> None:
+        """Counters per shape; for the adaptive budget also this step's acceptance (for every smaller shape) and
+        timings (draft, verify, the rest of the round incl. the scheduler's time since the previous round)."""
+        D, S = shape
+        key = "none" if S == 0 else f"D{D}_K{self.budget.topk}_S{S}"
+        self.shape_counts[key] = self.shape_counts.get(key, 0) + 1
+        logger.debug("TREE_V4 step: batch %d, shape %s", bs, key)
+        if self.policy is None:
+            return
+        start, drafted, verified = marks
+        end = time.perf_counter()
+        if S > 0:
+            self.policy.stats.update(counterfactual_accepts(tree, verdict.accepted_nodes, verdict.accept_lens,
+                                                            self.budget.steps), shape)
+            self.policy.times.draft.setdefault(S, Curve()).add(bs, drafted - start)
+        self.policy.times.verify.add(bs * D, verified - drafted)
+        rest = end - verified
+        if self._last_round_end is not None and self._last_round_end[1] == bs and start - self._last_round_end[0] < 1:
+            rest += start - self._last_round_end[0]
+        self.policy.times.rest.add(bs, rest)
+        self._last_round_end = (end, bs)
 
 
 def _tokens_between(prompt, output, lo: int, hi: int) -> list[int]:

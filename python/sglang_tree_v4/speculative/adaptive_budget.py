@@ -1,0 +1,173 @@
+"""The adaptive speculation budget: per decode step, the tree shape -- or no speculation -- with the most expected
+tokens per second for this batch.
+
+A shape is (D, S): D tokens verified per request (root included), drafted S steps deep with the server's K children
+per node; (1, 0) is "no speculation" (the target decodes the root alone and the MTP is not run; its next draft
+catches up over what it missed, at most one window). For a batch of B requests the policy picks
+
+    argmax over shapes   B * A(D, S) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
+
+* ``A(D, S)``, the expected tokens a request emits per step with that shape, comes from online acceptance
+  statistics. Every verified tree also answers for every smaller shape: keeping only the nodes of depth <= S and,
+  among them, the D - 1 with the best draft scores (EAGLE-2's rerank; parents score at least as high as their
+  children, so the kept set is a subtree), the accepted path's nodes that survive are what the smaller tree would
+  have accepted (exact for greedy acceptance of that subtree). One step thus updates the statistics of all shapes
+  at or below the one it ran; every ``EXPLORE_EVERY`` steps the largest shape runs to keep them fresh.
+* ``T_*`` are step times measured on this device: at startup (``step_timer``, cached per model, device and TP)
+  and refined online from every step's own timings (exponential moving averages, interpolated in the batch size
+  and, for verification, in the number of verified tokens).
+
+The choice never changes what is emitted: any shape's tree is verified losslessly, and the no-speculation step is
+ordinary decoding. On tensor-parallel servers rank 0 chooses and broadcasts (timings differ per rank).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tree import DraftTree
+
+NO_SPECULATION = (1, 0)
+EXPLORE_EVERY = 32  # steps between runs of the largest shape (fresh statistics for every shape below it)
+WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
+STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
+TIME_EMA = 0.2  # weight of a new timing against the table's value
+
+
+def shape_menu(max_tokens: int, topk: int, max_steps: int) -> list[tuple[int, int]]:
+    """Every (D, S) the server's reservation allows, smallest first, "no speculation" included."""
+    from .server_args import max_tree_nodes
+    shapes = [NO_SPECULATION]
+    for s in range(1, max_steps + 1):
+        for d in range(2, min(max_tokens, 1 + max_tree_nodes(topk, s)) + 1):
+            if d - 1 >= s:  # a shape of depth S needs at least S draft nodes
+                shapes.append((d, s))
+    return shapes
+
+
+def counterfactual_accepts(tree: DraftTree, accepted_nodes: torch.Tensor, accept_lens: torch.Tensor,
+                           max_steps: int) -> torch.Tensor:
+    """``[B, max_steps + 1, D + 1]``: for every request, the tokens it would have emitted had its tree been cut to
+    depth <= s and the d - 1 best-scored such nodes (entry ``[b, s, d]``; d = 1 or s = 0: 1 token)."""
+    B, D = tree.tokens.shape
+    dev = tree.tokens.device
+    idx = torch.arange(D, device=dev)
+    path_depth = torch.arange(D, device=dev).expand(B, D)
+    on_path = (path_depth >= 1) & (path_depth < accept_lens[:, None])  # accepted draft nodes, by depth
+    nodes = accepted_nodes.clamp(min=0)
+    out = torch.ones(B, max_steps + 1, D + 1, dtype=torch.float32, device=dev)
+    for s in range(1, max_steps + 1):
+        keep = (idx < tree.num_nodes[:, None]) & (tree.depths >= 1) & (tree.depths <= s)
+        key = torch.where(keep, tree.scores.float(), float("-inf"))
+        order = torch.argsort(-key, dim=1, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, idx.expand(B, D).contiguous())
+        rank = torch.where(keep, rank, D)  # never kept
+        r = torch.where(on_path & (path_depth <= s), rank.gather(1, nodes), D)  # [B, D] rank of path node i
+        d = torch.arange(D + 1, device=dev)
+        out[:, s, :] = 1 + (r[:, None, :] < (d - 1)[None, :, None]).sum(-1).float()
+        out[:, s, 0] = 1
+    return out
+
+
+class AcceptanceStats:
+    """Decayed means of ``counterfactual_accepts`` per shape (only shapes at or below a run shape are updated)."""
+
+    def __init__(self, max_tokens: int, max_steps: int):
+        self.sum = torch.zeros(max_steps + 1, max_tokens + 1)
+        self.weight = torch.zeros(max_steps + 1, max_tokens + 1)
+
+    def update(self, accepts: torch.Tensor, ran: tuple[int, int]) -> None:
+        d, s = ran
+        self.sum *= STATS_DECAY
+        self.weight *= STATS_DECAY
+        self.sum[: s + 1, : d + 1] += accepts[:, : s + 1, : d + 1].sum(0).cpu()
+        self.weight[: s + 1, : d + 1] += accepts.shape[0]
+
+    def expected(self, shape: tuple[int, int]) -> float | None:
+        d, s = shape
+        if shape == NO_SPECULATION:
+            return 1.0
+        w = float(self.weight[s, d])
+        return float(self.sum[s, d]) / w if w > 0 else None
+
+
+@dataclass
+class Curve:
+    """Seconds as a function of one size (batch size or tokens): decayed samples at the sizes seen, linear in
+    between, proportional beyond the ends."""
+
+    points: dict[int, float] = field(default_factory=dict)
+
+    def add(self, x: int, seconds: float) -> None:
+        old = self.points.get(x)
+        self.points[x] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+
+    def __call__(self, x: int) -> float | None:
+        if not self.points:
+            return None
+        xs = sorted(self.points)
+        if x in self.points:
+            return self.points[x]
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self.points[xs[0]] * x / xs[0]
+        if i == len(xs):
+            return self.points[xs[-1]] * x / xs[-1]
+        x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = self.points[x0], self.points[x1]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class StepTimes:
+    """The step-time model: draft (per depth S, over the batch size), verify (over the verified tokens), rest of
+    the round incl. the scheduler (over the batch size)."""
+
+    draft: dict[int, Curve] = field(default_factory=dict)
+    verify: Curve = field(default_factory=Curve)
+    rest: Curve = field(default_factory=Curve)
+
+    def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
+        d, s = shape
+        verify = self.verify(batch * d)
+        draft = 0.0 if s == 0 else (self.draft[s](batch) if s in self.draft else None)
+        if verify is None or draft is None:
+            return None
+        return draft + verify + (self.rest(batch) or 0.0)
+
+    def to_json(self) -> dict:
+        return {"draft": {str(s): c.points for s, c in self.draft.items()}, "verify": self.verify.points,
+                "rest": self.rest.points}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StepTimes":
+        def curve(points):
+            return Curve({int(k): float(v) for k, v in points.items()})
+        return cls({int(s): curve(p) for s, p in data["draft"].items()}, curve(data["verify"]), curve(data["rest"]))
+
+
+class AdaptivePolicy:
+    def __init__(self, max_tokens: int, topk: int, max_steps: int, times: StepTimes):
+        self.menu = shape_menu(max_tokens, topk, max_steps)
+        self.largest = (max_tokens, max_steps)
+        self.stats = AcceptanceStats(max_tokens, max_steps)
+        self.times = times
+        self.steps = 0
+
+    def choose(self, batch: int) -> tuple[int, int]:
+        """The shape for this step (on the deciding rank)."""
+        self.steps += 1
+        if self.steps <= WARMUP_STEPS or self.steps % EXPLORE_EVERY == 0:
+            return self.largest
+        best, best_rate = self.largest, -1.0
+        for shape in self.menu:
+            accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
+            if accepted is None or seconds is None or seconds <= 0:
+                continue
+            rate = batch * accepted / seconds
+            if rate > best_rate:
+                best, best_rate = shape, rate
+        return best

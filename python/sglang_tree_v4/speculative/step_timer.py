@@ -1,0 +1,121 @@
+"""The adaptive budget's startup step-time measurement, and its cache file.
+
+At startup the worker times the real pieces of a decode round on private scratch state (its own small slot
+stores, never SGLang's pool): the MTP draft (catch-up + ``build_draft_tree`` over S steps, for each S) and the
+target's tree-verify forward (for several numbers of verified tokens), at batch sizes 1 .. max running requests.
+The state is zeros, which costs the same as real state. The result seeds ``adaptive_budget.StepTimes``; online
+timings refine it. It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME``
+honoured), keyed by the checkpoint (path and config), the device, the TP size, the dtype and the shape limits, and
+read back on the next start instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import torch
+
+from ..dsv4.mtp import new_mtp_store
+from ..dsv4.sglang_model import tree_ancestor_slots
+from ..dsv4.storage import ForwardBatch, SlotTable
+from ..tree import build_draft_tree
+from .adaptive_budget import Curve, StepTimes
+from .mtp_drafter import MTPTreeDrafter, catch_up
+
+logger = logging.getLogger(__name__)
+BATCHES = (1, 4, 16, 64)
+CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
+REPEATS = 2
+
+
+def cache_path(model_path: str, device: torch.device, tp: int, dtype: torch.dtype, limits: tuple) -> str:
+    try:
+        with open(os.path.join(model_path, "config.json"), "rb") as f:
+            config = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        config = ""
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+            f"cpu{os.cpu_count()}x{torch.get_num_threads()}")
+    key = json.dumps([os.path.realpath(model_path), config, name, tp, str(dtype), list(limits), torch.__version__])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "sglang-tree-v4", "step_times", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device) -> StepTimes:
+    """Time draft(S) and verify(D) on scratch stores at the batch sizes of ``BATCHES`` up to ``max_batch``."""
+    cfg = model.cfg
+    dtype = model.embed.weight.dtype
+    batches = sorted({b for b in BATCHES if b <= max_batch} | {max_batch})
+    width = CONTEXT + max_tokens + topk * max_steps
+    slots = max(batches) * width
+    store = model.new_store(slots, dtype, device)
+    mtp_store = new_mtp_store(cfg, slots, dtype, device)
+    streams = torch.zeros(slots, cfg.hc_mult * cfg.hidden_size, dtype=dtype, device=device)
+    times = StepTimes()
+    verify_sizes = sorted({1, 2, 4, max_tokens})
+    for bs in batches:
+        table = torch.arange(bs * width, device=device).view(bs, width)
+        prefix = torch.full((bs,), CONTEXT, device=device)
+        roots = torch.ones(bs, dtype=torch.long, device=device)
+        for s in range(1, max_steps + 1):
+            best = float("inf")
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                root = catch_up(model, mtp_store, streams, table, [CONTEXT - 3] * bs, [CONTEXT] * bs,
+                                [[1, 2, 3]] * bs)
+                drafter = MTPTreeDrafter(model, mtp_store, table, prefix, max_tokens, topk)
+                tree = build_draft_tree(roots, prefix, drafter, s, topk, max_tokens, root_draft=root)
+                _sync(device)
+                best = min(best, time.perf_counter() - start)
+            times.draft.setdefault(s, Curve()).add(bs, best)
+        for d in verify_sizes:
+            best = float("inf")
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                verify_forward(model, store, table, prefix, tree.tokens[:, :d] if d > 1 else roots[:, None], d)
+                _sync(device)
+                best = min(best, time.perf_counter() - start)
+            times.verify.add(bs * d, best)
+    return times
+
+
+def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, d: int):
+    """The target's tree-verify forward of ``d`` nodes per request (as the SGLang adapter runs it), here as a
+    chain of the given tokens (the cost depends on the node count, not on the shape)."""
+    bs = tokens.shape[0]
+    device = tokens.device
+    mask = torch.tril(torch.ones(d, d, dtype=torch.bool, device=device)).expand(bs, d, d).flatten()
+    out_slots = table[torch.arange(bs, device=device)[:, None], prefix[:, None] + torch.arange(d, device=device)]
+    out_slots = out_slots.flatten()
+    anc = tree_ancestor_slots(mask, out_slots, bs, d)
+    query_req = torch.arange(bs, device=device).repeat_interleave(d)
+    positions = (prefix[:, None] + torch.arange(d, device=device)).flatten()
+    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots,
+                         SlotTable(table, query_req, prefix.repeat_interleave(d), anc))
+    return model(batch, store)
+
+
+def read_cache(path: str) -> StepTimes | None:
+    try:
+        with open(path) as f:
+            return StepTimes.from_json(json.load(f)["times"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def write_cache(path: str, times: StepTimes, seconds: float) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"times": times.to_json(), "measured_s": round(seconds, 3)}, f)
+    os.replace(tmp, path)
