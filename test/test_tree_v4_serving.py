@@ -1,7 +1,9 @@
 """TREE_V4 end to end on a real SGLang server (CPU): every output must equal non-speculative serving.
 
-Three servers share the module: no speculation (the ground truth), TREE_V4 with a real tree (K > 1) and the
-matched chain (K = 1, S = D - 1). Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
+Five servers share the module: no speculation (the ground truth), TREE_V4 with a real tree (K > 1), the matched
+chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adaptive budget picks the shape per step) and
+the adaptive budget forced to cycle through every shape of its menu, "no speculation" included (``cycle_shapes`` in
+``support/mutations``), so that every switch between shapes is exercised. Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
 than 300 tokens so that HCA boundaries fall inside draft trees.
 """
 
@@ -23,6 +25,8 @@ TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk
         "--speculative-num-steps", "3"]
 CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
          "--speculative-num-steps", "5"]
+ADAPTIVE = ["--speculative-algorithm", "TREE_V4"]
+SPECULATIVE = ("tree", "chain", "adaptive", "cycling")
 COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7"]  # seeded sampling
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -34,10 +38,16 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
+    """The adaptive servers keep their step-time cache in a fresh folder: the default server measures at startup,
+    the cycling one, started once it is up, must read the cache instead."""
     logs = tmp_path_factory.mktemp("logs")
-    started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log")
-               for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN))}
+    cache = str(tmp_path_factory.mktemp("cache"))
+    started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log", env=srv.clean_env(XDG_CACHE_HOME=cache))
+               for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN), ("adaptive", ADAPTIVE))}
     try:
+        srv.wait_healthy(started["adaptive"])
+        started["cycling"] = checks.launch_mutated(model, COMMON + ADAPTIVE, "cycle_shapes", logs / "cycling.log",
+                                                   XDG_CACHE_HOME=cache)
         yield {name: srv.wait_healthy(s) for name, s in started.items()}
     finally:
         for s in started.values():
@@ -71,7 +81,7 @@ def greedy_outputs(servers):
     return {name: run_all(s, items, sampling) for name, s in servers.items()}
 
 
-@pytest.mark.parametrize("shape", ["tree", "chain"])
+@pytest.mark.parametrize("shape", SPECULATIVE)
 def test_greedy_equals_non_speculative(greedy_outputs, shape):
     plain, spec = greedy_outputs["plain"], greedy_outputs[shape]
     for i, (a, b) in enumerate(zip(plain, spec)):
@@ -87,6 +97,38 @@ def test_accept_length_reported(servers, greedy_outputs):
         assert sum(m["spec_accept_length"] for m in metas) / len(metas) > 1.2
         info = requests.get(servers[shape].url + "/get_server_info", timeout=30).json()
         assert info["internal_states"][0]["avg_spec_accept_length"] > 1.2
+
+
+def _shape_steps(server) -> dict[str, int]:
+    state = requests.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    return state["tree_v4_shape_steps"], state["tree_v4_adaptive"]
+
+
+def test_shape_counters_in_server_info(servers, greedy_outputs):
+    """Steps per tree shape in ``/get_server_info``: a pinned server runs its one shape; the adaptive default
+    reports its choices; the cycling server has run every shape of the menu, "no speculation" included."""
+    from sglang_tree_v4.speculative.adaptive_budget import shape_menu
+    pinned, adaptive = _shape_steps(servers["tree"])
+    assert set(pinned) == {"D6_K3_S3"} and not adaptive
+    steps, adaptive = _shape_steps(servers["adaptive"])
+    assert adaptive and sum(steps.values()) > 0
+    steps, adaptive = _shape_steps(servers["cycling"])
+    menu = shape_menu(8, 3, 4)
+    assert adaptive and len(steps) == len(menu) and steps.get("none", 0) > 0, steps
+
+
+def test_step_times_measured_once_then_read_from_the_cache(servers):
+    """The default server measured its step-time model at startup (the seconds it took are in its log and printed
+    here), wrote it to the cache folder, and the cycling server (same model, device and TP) read it from there."""
+    import re
+    measured = re.findall(r"TREE_V4 adaptive budget: step times measured in ([0-9.]+) s \((.*)\)",
+                          servers["adaptive"].log.read_text())
+    assert measured, servers["adaptive"].log_tail()
+    print("step-time measurement at startup:", measured[0][0], "s")
+    assert Path(measured[0][1]).is_file()
+    read = re.findall(r"TREE_V4 adaptive budget: step times read in [0-9.]+ s \((.*)\)",
+                      servers["cycling"].log.read_text())
+    assert read == [measured[0][1]]
 
 
 def test_chat_completions_answer_a_gsm8k_question(servers):
@@ -118,7 +160,7 @@ def test_stops_inside_accepted_blocks_match(servers):
     for case in cases:
         sampling = {"temperature": 0, "ignore_eos": True, **case}
         want = plain.generate({"text": text, "sampling_params": sampling})
-        for shape in ("tree", "chain"):
+        for shape in SPECULATIVE:
             got = servers[shape].generate({"text": text, "sampling_params": sampling})
             assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], (shape, case)
             assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], (shape, case)
@@ -162,7 +204,7 @@ def target_model():
     return load_model(str(EMBEDDED))
 
 
-@pytest.mark.parametrize("name", ["plain", "tree", "chain"])
+@pytest.mark.parametrize("name", ["plain", "tree", "chain", "cycling"])
 def test_sampled_tokens_follow_the_target(servers, sampling_cases, target_model, name):
     """Sampled losslessness with power. 3 GSM8K prompts x 3 settings (temperature 1; 0.6 + top-p 0.9; top-k 20 +
     min-p 0.05) x 500 samples of 10 tokens, with the server's random seed fixed (``--random-seed 7``). Positions

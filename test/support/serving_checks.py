@@ -24,10 +24,10 @@ from sglang_tree_v4 import launcher, prompts
 MUTATIONS_DIR = Path(__file__).resolve().parent / "mutations"
 
 
-def launch_mutated(model, args: list[str], mutation: str, log: Path) -> launcher.Server:
+def launch_mutated(model, args: list[str], mutation: str, log: Path, **env_vars: str) -> launcher.Server:
     """A server with one injected fault (see ``mutations/sitecustomize.py``)."""
     path = os.pathsep.join(p for p in (str(MUTATIONS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    env = launcher.clean_env(PYTHONPATH=path, TREE_V4_TEST_MUTATION=mutation)
+    env = launcher.clean_env(PYTHONPATH=path, TREE_V4_TEST_MUTATION=mutation, **env_vars)
     return launcher.launch(model, args, log=log, env=env)
 
 

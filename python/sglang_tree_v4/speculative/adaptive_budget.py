@@ -31,7 +31,8 @@ import torch
 from ..tree import DraftTree
 
 NO_SPECULATION = (1, 0)
-EXPLORE_EVERY = 32  # steps between runs of the largest shape (fresh statistics for every shape below it)
+EXPLORE_EVERY = 32  # steps between runs of the largest shape (fresh statistics for every shape below it), at
+EXPLORE_BATCH = 8   # batches up to this size; a batch of b waits ceil(b / 8) times longer (exploring costs more)
 WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 TIME_EMA = 0.2  # weight of a new timing against the table's value
@@ -55,20 +56,20 @@ def counterfactual_accepts(tree: DraftTree, accepted_nodes: torch.Tensor, accept
     B, D = tree.tokens.shape
     dev = tree.tokens.device
     idx = torch.arange(D, device=dev)
-    path_depth = torch.arange(D, device=dev).expand(B, D)
-    on_path = (path_depth >= 1) & (path_depth < accept_lens[:, None])  # accepted draft nodes, by depth
-    nodes = accepted_nodes.clamp(min=0)
+    steps = torch.arange(1, max_steps + 1, device=dev)[None, :, None]  # [1, S, 1]
+    on_path = (idx >= 1) & (idx < accept_lens[:, None])  # [B, D]: accepted draft nodes, by depth
+    # Per depth cut s: nodes of depth <= s ranked by score (stable: a parent before its equally scored child).
+    keep = ((idx < tree.num_nodes[:, None]) & (tree.depths >= 1))[:, None, :] & (tree.depths[:, None, :] <= steps)
+    key = torch.where(keep, tree.scores.float()[:, None, :], float("-inf"))
+    order = torch.argsort(-key, dim=2, stable=True)
+    rank = torch.empty_like(order).scatter_(2, order, idx.expand_as(order).contiguous())
+    rank = torch.where(keep, rank, D)
+    path_rank = rank.gather(2, accepted_nodes.clamp(min=0)[:, None, :].expand_as(rank))  # [B, S, D]: by depth i
+    path_rank = torch.where(on_path[:, None, :] & (idx[None, None, :] <= steps), path_rank, D)
+    d = torch.arange(D + 1, device=dev)
     out = torch.ones(B, max_steps + 1, D + 1, dtype=torch.float32, device=dev)
-    for s in range(1, max_steps + 1):
-        keep = (idx < tree.num_nodes[:, None]) & (tree.depths >= 1) & (tree.depths <= s)
-        key = torch.where(keep, tree.scores.float(), float("-inf"))
-        order = torch.argsort(-key, dim=1, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, idx.expand(B, D).contiguous())
-        rank = torch.where(keep, rank, D)  # never kept
-        r = torch.where(on_path & (path_depth <= s), rank.gather(1, nodes), D)  # [B, D] rank of path node i
-        d = torch.arange(D + 1, device=dev)
-        out[:, s, :] = 1 + (r[:, None, :] < (d - 1)[None, :, None]).sum(-1).float()
-        out[:, s, 0] = 1
+    out[:, 1:, :] = 1 + (path_rank[:, :, None, :] < (d - 1)[None, None, :, None]).sum(-1).float()
+    out[:, :, 0] = 1
     return out
 
 
@@ -129,8 +130,18 @@ class StepTimes:
     draft: dict[int, Curve] = field(default_factory=dict)
     verify: Curve = field(default_factory=Curve)
     rest: Curve = field(default_factory=Curve)
+    # Whole steps as this server ran them, per (batch size, shape): what the model is only a prior for.
+    observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def observe(self, batch: int, shape: tuple[int, int], seconds: float) -> None:
+        key = (batch, *shape)
+        old = self.observed.get(key)
+        self.observed[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
 
     def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
+        seen = self.observed.get((batch, *shape))
+        if seen is not None:
+            return seen
         d, s = shape
         verify = self.verify(batch * d)
         draft = 0.0 if s == 0 else (self.draft[s](batch) if s in self.draft else None)
@@ -160,7 +171,7 @@ class AdaptivePolicy:
     def choose(self, batch: int) -> tuple[int, int]:
         """The shape for this step (on the deciding rank)."""
         self.steps += 1
-        if self.steps <= WARMUP_STEPS or self.steps % EXPLORE_EVERY == 0:
+        if self.steps <= WARMUP_STEPS or self.steps % (EXPLORE_EVERY * -(-batch // EXPLORE_BATCH)) == 0:
             return self.largest
         best, best_rate = self.largest, -1.0
         for shape in self.menu:

@@ -233,6 +233,7 @@ class TreeV4Worker(BaseSpecWorker):
                                           logprobs=torch.zeros(bs, 1, device=self.device))
         else:
             tree = self._draft(batch, D, S)
+        D = tree.width
         drafted = time.perf_counter()
         self._verify_input(batch, tree)
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
@@ -282,7 +283,8 @@ class TreeV4Worker(BaseSpecWorker):
         self.policy.times.verify.add(bs * D, verified - drafted)
         rest = end - verified
         if self._last_round_end is not None and self._last_round_end[1] == bs and start - self._last_round_end[0] < 1:
-            rest += start - self._last_round_end[0]
+            rest += start - self._last_round_end[0]  # the scheduler's part of a back-to-back round
+            self.policy.times.observe(bs, shape, end - start + start - self._last_round_end[0])
         self.policy.times.rest.add(bs, rest)
         self._last_round_end = (end, bs)
 

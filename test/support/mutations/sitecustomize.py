@@ -9,6 +9,9 @@ after it is first imported, before anyone binds its names. The product code carr
 * ``leak_aborted``: the KV release of aborted requests is skipped (their slots are never freed).
 * ``biased_accept``: stochastic acceptance accepts every draft with probability ``min(1, p + 0.02)``
   (each acceptance coin lowered by 0.02).
+
+Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
+speculation" included), so a test sees every switch the policy could ever make.
 """
 
 from __future__ import annotations
@@ -56,10 +59,19 @@ def _biased_accept(worker) -> None:
     worker.verify_sampling = verify_sampling
 
 
+def _cycle_shapes(adaptive) -> None:
+    def choose(self, batch):
+        self.steps += 1
+        return self.menu[self.steps % len(self.menu)]
+
+    adaptive.AdaptivePolicy.choose = choose
+
+
 PATCHES = {
     "wrong_token": ("sglang_tree_v4.speculative.worker", _wrong_token),
     "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
+    "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
 }
 
 

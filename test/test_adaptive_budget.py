@@ -1,0 +1,114 @@
+"""The adaptive budget's pieces, against their ground truth.
+
+* ``counterfactual_accepts``: for every smaller shape (depth <= S, the D - 1 best-scored nodes) the tokens a
+  request would have emitted must equal greedy verification of that smaller tree, built explicitly.
+* ``Curve`` / ``StepTimes``: interpolation and the cache round trip.
+* ``AdaptivePolicy``: with a step-time model where verification is cheap relative to drafting, it turns
+  speculation off; with drafting nearly free and good acceptance, it picks the largest shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tree_v4.speculative.adaptive_budget import (NO_SPECULATION, WARMUP_STEPS, AdaptivePolicy, Curve,
+                                                        StepTimes, counterfactual_accepts, shape_menu)
+from sglang_tree_v4.tree import DraftTree, build_draft_tree, verify_greedy
+from sglang_tree_v4.tree.synthetic import PathHashDrafter
+from test_tree_verify_greedy import target_logits_favouring_tree
+
+VOCAB = 97
+
+
+def _subtree(tree: DraftTree, b: int, s: int, d: int) -> tuple[DraftTree, list[int]]:
+    """Request ``b``'s tree cut to depth <= s and the d - 1 best-scored such nodes (plus the root), re-indexed."""
+    n = int(tree.num_nodes[b])
+    cand = [i for i in range(1, n) if int(tree.depths[b, i]) <= s]
+    cand.sort(key=lambda i: (-float(tree.scores[b, i]), i))
+    keep = [0] + sorted(cand[: d - 1])
+    new = {old: k for k, old in enumerate(keep)}
+    parents = torch.tensor([[-1] + [new[int(tree.parents[b, i])] for i in keep[1:]]])
+    sub = DraftTree.from_parents(tree.tokens[b:b + 1, keep], parents, logprobs=tree.logprobs[b:b + 1, keep])
+    return sub, keep
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_counterfactual_accepts_equal_greedy_verification_of_each_smaller_tree(seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, D, K, S = 6, 10, 3, 4
+    drafter = PathHashDrafter(VOCAB, seed=seed)
+    roots = torch.randint(0, VOCAB, (B,), generator=gen)
+    tree = build_draft_tree(roots, torch.full((B,), 5), drafter, S, K, D, root_parent_hidden=drafter.root_hidden(roots))
+    logits = target_logits_favouring_tree(tree, gen, hit_rate=0.8)
+    verdict = verify_greedy(tree, logits)
+    cf = counterfactual_accepts(tree, verdict.accepted_nodes, verdict.accept_lens, S)
+    assert torch.equal(cf[:, S, D], verdict.accept_lens.float())  # the tree itself
+    assert float(verdict.accept_lens.float().mean()) > 1.5  # acceptance happens, so the cut matters
+    checked = 0
+    for b in range(B):
+        for s in range(1, S + 1):
+            for d in range(2, D + 1):
+                sub, keep = _subtree(tree, b, s, d)
+                got = verify_greedy(sub, logits[b:b + 1, keep])
+                assert float(cf[b, s, d]) == float(got.accept_lens[0]), (b, s, d)
+                checked += 1
+        assert torch.all(cf[b, :, 1] == 1) and torch.all(cf[b, 0, :] == 1)
+    assert checked == B * S * (D - 1)
+
+
+def test_curve_interpolates_and_extrapolates_proportionally():
+    c = Curve()
+    c.add(4, 0.04)
+    c.add(16, 0.10)
+    assert c(4) == pytest.approx(0.04) and c(10) == pytest.approx(0.07)
+    assert c(1) == pytest.approx(0.01) and c(32) == pytest.approx(0.20)
+    c.add(4, 0.14)  # a new timing moves the point by the EMA weight
+    assert 0.04 < c(4) < 0.14
+
+
+def test_step_times_round_trip_through_json():
+    t = StepTimes({1: Curve({1: 0.01, 8: 0.02})}, Curve({1: 0.005, 64: 0.05}), Curve({1: 0.001}))
+    back = StepTimes.from_json(__import__("json").loads(__import__("json").dumps(t.to_json())))
+    assert back.predict(4, (8, 1)) == pytest.approx(t.predict(4, (8, 1)))
+
+
+def _policy(draft_s: float, verify_per_token: float, accepted: float) -> AdaptivePolicy:
+    times = StepTimes({s: Curve({1: draft_s * s, 64: draft_s * s * 4}) for s in range(1, 5)},
+                      Curve({n: 0.01 + verify_per_token * n for n in (1, 8, 64, 512)}), Curve())
+    policy = AdaptivePolicy(8, 3, 4, times)
+    for (d, s) in policy.menu:  # deeper and wider shapes emit more, up to ``accepted`` tokens per step
+        policy.stats.sum[s, d], policy.stats.weight[s, d] = (1 + (min(d, accepted) - 1) * s / 4) * 10, 10
+    policy.steps = WARMUP_STEPS
+    return policy
+
+
+def test_policy_turns_speculation_off_when_verification_is_the_bottleneck():
+    policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
+    assert policy.choose(64) == NO_SPECULATION
+
+
+def test_policy_speculates_fully_when_drafting_is_cheap_and_drafts_are_accepted():
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    assert policy.choose(1) == (8, 4)
+
+
+def test_policy_explores_the_largest_shape_periodically_and_rarer_at_large_batches():
+    policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
+    chosen = [policy.choose(8) for _ in range(64)]
+    assert chosen.count((8, 4)) == 2 and chosen.count(NO_SPECULATION) == 62
+    chosen = [policy.choose(64) for _ in range(512)]  # exploring costs 8x more tokens: 8x rarer
+    assert chosen.count((8, 4)) == 2 and chosen.count(NO_SPECULATION) == 510
+
+
+def test_observed_step_times_override_the_model():
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    assert policy.choose(4) == (8, 4)
+    policy.times.observe(4, (8, 4), 10.0)  # the server measured that shape to be slow at this batch size
+    assert policy.choose(4) != (8, 4)
+
+
+def test_shape_menu_covers_no_speculation_and_every_reachable_tree():
+    menu = shape_menu(8, 3, 4)
+    assert menu[0] == NO_SPECULATION and (8, 4) in menu and (2, 1) in menu
+    assert all(d - 1 >= s for d, s in menu[1:]) and (5, 1) not in menu  # depth 1 holds at most K = 3 nodes
