@@ -248,7 +248,9 @@ class TreeV4Worker(BaseSpecWorker):
         valid = accept_index >= 0
         predict[accept_index[valid]] = verdict.tokens[valid]
         accept_lens = verdict.accept_lens.to(torch.int32)
-        move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator)
+        if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
+            move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
+                                                 self.token_to_kv_pool_allocator)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
