@@ -31,8 +31,9 @@ import torch
 from ..tree import DraftTree
 
 NO_SPECULATION = (1, 0)
-EXPLORE_EVERY = 32  # steps between runs of the largest shape (fresh statistics for every shape below it), at
-EXPLORE_BATCH = 8   # batches up to this size; a batch of b waits ceil(b / 8) times longer (exploring costs more)
+# The largest shape runs now and then (fresh statistics for every shape below it), spending about 1 / EXPLORE_SHARE
+# of the time: after EXPLORE_SHARE x (its predicted step time / the chosen shape's) steps of the chosen shape.
+EXPLORE_SHARE = 50
 WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 TIME_EMA = 0.2  # weight of a new timing against the table's value
@@ -130,18 +131,29 @@ class StepTimes:
     draft: dict[int, Curve] = field(default_factory=dict)
     verify: Curve = field(default_factory=Curve)
     rest: Curve = field(default_factory=Curve)
-    # Whole steps as this server ran them, per (batch size, shape): what the model is only a prior for.
+    # Whole steps as this server ran them, per (batch size, shape): what the model is only a prior for; and per
+    # batch size the ratio of observed to modelled step time, which scales the model for shapes not yet observed
+    # there (so observed and modelled candidates compare on one scale).
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)
 
     def observe(self, batch: int, shape: tuple[int, int], seconds: float) -> None:
         key = (batch, *shape)
         old = self.observed.get(key)
         self.observed[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+        model = self.model(batch, shape)
+        if model:
+            ratio, old = min(max(seconds / model, 0.5), 2.0), self.scale.get(batch)  # one outlier moves it little
+            self.scale[batch] = ratio if old is None else (1 - TIME_EMA) * old + TIME_EMA * ratio
 
     def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
         seen = self.observed.get((batch, *shape))
         if seen is not None:
             return seen
+        model = self.model(batch, shape)
+        return None if model is None else model * self.scale.get(batch, 1.0)
+
+    def model(self, batch: int, shape: tuple[int, int]) -> float | None:
         d, s = shape
         verify = self.verify(batch * d)
         draft = 0.0 if s == 0 else (self.draft[s](batch) if s in self.draft else None)
@@ -167,18 +179,25 @@ class AdaptivePolicy:
         self.stats = AcceptanceStats(max_tokens, max_steps)
         self.times = times
         self.steps = 0
+        self.since_explore = 0
 
     def choose(self, batch: int) -> tuple[int, int]:
         """The shape for this step (on the deciding rank)."""
         self.steps += 1
-        if self.steps <= WARMUP_STEPS or self.steps % (EXPLORE_EVERY * -(-batch // EXPLORE_BATCH)) == 0:
+        if self.steps <= WARMUP_STEPS:
             return self.largest
-        best, best_rate = self.largest, -1.0
+        best, best_rate, best_s = self.largest, -1.0, None
         for shape in self.menu:
             accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
             if accepted is None or seconds is None or seconds <= 0:
                 continue
             rate = batch * accepted / seconds
             if rate > best_rate:
-                best, best_rate = shape, rate
+                best, best_rate, best_s = shape, rate, seconds
+        largest_s = self.times.predict(batch, self.largest)
+        self.since_explore += 1
+        if best != self.largest and largest_s and best_s and self.since_explore >= EXPLORE_SHARE * largest_s / best_s:
+            best = self.largest
+        if best == self.largest:
+            self.since_explore = 0
         return best
