@@ -7,6 +7,8 @@ catches up over what it missed, at most one window). For a batch of B requests t
 
     argmax over shapes   B * A(D, S) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
 
+with every speculative shape's rate divided by ``SPECULATION_MARGIN`` (speculate only where it clearly pays).
+
 * ``A(D, S)``, the expected tokens a request emits per step with that shape, comes from online acceptance
   statistics. Every verified tree also answers for every smaller shape: keeping only the nodes of depth <= S and,
   among them, the D - 1 with the best draft scores (EAGLE-2's rerank; parents score at least as high as their
@@ -34,6 +36,10 @@ NO_SPECULATION = (1, 0)
 # The largest shape runs now and then (fresh statistics for every shape below it), spending about 1 / EXPLORE_SHARE
 # of the time: after EXPLORE_SHARE x (its predicted step time / the chosen shape's) steps of the chosen shape.
 EXPLORE_SHARE = 50
+# Speculate only where a shape is predicted this much faster than no speculation: near a tie the end-to-end
+# throughput (prefill, catch-up after a switch, noise in the step times) favours plain decoding, and the default
+# must never lose to it.
+SPECULATION_MARGIN = 1.1
 WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 TIME_EMA = 0.2  # weight of a new timing against the table's value
@@ -191,7 +197,7 @@ class AdaptivePolicy:
             accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
             if accepted is None or seconds is None or seconds <= 0:
                 continue
-            rate = batch * accepted / seconds
+            rate = batch * accepted / seconds / (1.0 if shape == NO_SPECULATION else SPECULATION_MARGIN)
             if rate > best_rate:
                 best, best_rate, best_s = shape, rate, seconds
         largest_s = self.times.predict(batch, self.largest)
