@@ -14,7 +14,8 @@ with every speculative shape's rate divided by ``SPECULATION_MARGIN`` (speculate
   among them, the D - 1 with the best draft scores (EAGLE-2's rerank; parents score at least as high as their
   children, so the kept set is a subtree), the accepted path's nodes that survive are what the smaller tree would
   have accepted (exact for greedy acceptance of that subtree). One step thus updates the statistics of all shapes
-  at or below the one it ran; every ``EXPLORE_EVERY`` steps the largest shape runs to keep them fresh.
+  at or below the one it ran; now and then the largest shape runs to keep them fresh (about 1 / ``EXPLORE_SHARE``
+  of the time).
 * ``T_*`` are step times measured on this device: at startup (``step_timer``, cached per model, device and TP)
   and refined online from every step's own timings (exponential moving averages, interpolated in the batch size
   and, for verification, in the number of verified tokens).
