@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def measure_rank(path: str, tp: int, rank: int) -> dict:
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.quantize import build_model, parameter_bytes
     from sglang_tree_v4.dsv4.tp import shard_model
-    from sglang_tree_v4.dsv4.weights import StreamingLoader, iter_safetensors
+    from sglang_tree_v4.dsv4.weights import _FILE_DTYPES, StreamingLoader, iter_safetensors
 
     torch.set_num_threads(1)
     largest = 0
@@ -74,10 +75,8 @@ def measure_rank(path: str, tp: int, rank: int) -> dict:
             with safe_open(os.path.join(path, name), "pt") as h:
                 for k in h.keys():
                     s = h.get_slice(k)
-                    n = 1
-                    for d in s.get_shape():
-                        n *= d
-                    largest = max(largest, n * (4 if s.get_dtype() == "F32" else 2 if s.get_dtype() == "BF16" else 1))
+                    n = math.prod(s.get_shape()) * _FILE_DTYPES[s.get_dtype()].itemsize
+                    largest = max(largest, n)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     # Warm-up: the same build on the meta device (no memory) imports SGLang's layer modules (lazily imported by

@@ -61,6 +61,16 @@ def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: 
     return table.view(bs * n, n)
 
 
+def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: torch.Tensor,
+                 out_slots: torch.Tensor, n: int) -> SlotTable:
+    """Slot table of a target-verify forward of ``n`` draft nodes per request: the committed row below each
+    request's committed length, the node's own ancestors' verify slots above it."""
+    bs = committed.shape[0]
+    query_req = torch.arange(bs, device=committed.device).repeat_interleave(n)
+    anc = tree_ancestor_slots(custom_mask, out_slots, bs, n)
+    return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc)
+
+
 class TreeV4DeepseekV4ForCausalLM(nn.Module):
     """SGLang entry class (registered under ``ARCHITECTURE`` by the plugin's model override)."""
 
@@ -114,10 +124,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         positions = positions.long()
         device = positions.device
         if mode.is_target_verify():
-            n = forward_batch.spec_info.draft_token_num
-            query_req = torch.arange(bs, device=device).repeat_interleave(n)
-            anc = tree_ancestor_slots(forward_batch.spec_info.custom_mask, out_slots, bs, n)
-            table = SlotTable(req_table, query_req, forward_batch.seq_lens.long().repeat_interleave(n), anc)
+            table = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask, out_slots,
+                                 forward_batch.spec_info.draft_token_num)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))

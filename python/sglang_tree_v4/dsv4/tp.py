@@ -141,7 +141,8 @@ class _Sharder:
         return self._record(linear, layer, name, 1, layer.input_size_per_partition, linear.in_features)
 
     def _record(self, linear: nn.Module, layer: nn.Module, name: str, dim: int, part: int, full: int) -> nn.Module:
-        """The checkpoint slices ``layer`` holds: ``part`` of ``full`` along ``dim``, and the scale blocks they touch."""
+        """The checkpoint slices ``layer`` holds: ``part`` of ``full`` along ``dim``, and the scale blocks they
+        touch."""
         start = self.rank * part
         self.plan[name + ".weight"] = Shard(dim, start, start + part, full)
         if isinstance(linear, FP8BlockLinear):

@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 
 import torch
 
 from ..dsv4.mtp import new_mtp_store
-from ..dsv4.sglang_model import tree_ancestor_slots
-from ..dsv4.storage import ForwardBatch, SlotTable
+from ..dsv4.sglang_model import verify_table
+from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes
 from .mtp_drafter import MTPTreeDrafter, catch_up
 
-logger = logging.getLogger(__name__)
 BATCHES = (1, 4, 16, 64)
 CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
 REPEATS = 2
@@ -105,11 +103,8 @@ def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, toke
     mask = torch.tril(torch.ones(d, d, dtype=torch.bool, device=device)).expand(bs, d, d).flatten()
     out_slots = table[torch.arange(bs, device=device)[:, None], prefix[:, None] + torch.arange(d, device=device)]
     out_slots = out_slots.flatten()
-    anc = tree_ancestor_slots(mask, out_slots, bs, d)
-    query_req = torch.arange(bs, device=device).repeat_interleave(d)
     positions = (prefix[:, None] + torch.arange(d, device=device)).flatten()
-    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots,
-                         SlotTable(table, query_req, prefix.repeat_interleave(d), anc))
+    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, verify_table(table, prefix, mask, out_slots, d))
     return model(batch, store)
 
 

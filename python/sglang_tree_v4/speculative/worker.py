@@ -286,7 +286,7 @@ class TreeV4Worker(BaseSpecWorker):
         rest = end - verified
         if self._last_round_end is not None and self._last_round_end[1] == bs and start - self._last_round_end[0] < 1:
             rest += start - self._last_round_end[0]  # the scheduler's part of a back-to-back round
-            self.policy.times.observe(bs, shape, end - start + start - self._last_round_end[0])
+            self.policy.times.observe(bs, shape, end - self._last_round_end[0])  # the whole round, scheduler included
         self.policy.times.rest.add(bs, rest)
         self._last_round_end = (end, bs)
 
