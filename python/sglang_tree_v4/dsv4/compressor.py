@@ -44,7 +44,7 @@ class Compressor(nn.Module):
         """Compute and store the entries of the queries that close a block (rows must already be written)."""
         r, d = self.ratio, self.d
         span = 2 * r if self.overlap else r
-        closers, slots = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
+        closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
         if closers.numel() == 0:
             return
         p = fb.positions[closers]
@@ -57,17 +57,26 @@ class Compressor(nn.Module):
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
         ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), slots, col_off, ape,
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
-        store.write(layer, entry, fb.out_slots[closers], ent)
+        out = fb.out_slots[closers]
+        if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
+            ent = torch.where(closes[:, None], ent.to(store.buffers[layer].dtype), store.read(layer, entry, out))
+        store.write(layer, entry, out, ent)
 
 
-def _closer_rows(fb: ForwardBatch, r: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries closing a block of ratio r, and the slots of their window's ``span`` positions (ascending)."""
-    closers = ((fb.positions + 1) % r == 0).nonzero().squeeze(1)
+def _closer_rows(fb: ForwardBatch, r: int,
+                 span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Queries closing a block of ratio r, the slots of their window's ``span`` positions (ascending), and None.
+    With fixed shapes (``fb.caps``): every query, its window's slots, and which of them close a block."""
+    closes = (fb.positions + 1) % r == 0
+    if fb.caps is not None:
+        closers = torch.arange(fb.positions.shape[0], device=closes.device)
+    else:
+        closers, closes = closes.nonzero().squeeze(1), None
     p = fb.positions[closers]
     pos = p[:, None] - torch.arange(span - 1, -1, -1, device=p.device)
     t = fb.table
     sub = type(t)(t.req_table, t.query_req[closers], t.base[closers], t.anc[closers])
-    return closers, sub.lookup(pos)
+    return closers, sub.lookup(pos), closes
 
 
 INDEXER_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 temporaries per chunk
@@ -87,13 +96,17 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
                rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch).
+        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch, or the
+        capacity ``fb.caps.entries(4)`` with fixed shapes).
 
         Entries are scored in chunks of ``chunk_entries(N)`` with a running top-k, so the temporaries (gathered
         keys ``[N, C, ihd]`` and per-head scores ``[N, H, C]``) are bounded by the chunk, not by the context."""
         n = x.shape[0]
         n_vis = (fb.positions + 1) // 4
-        emax = int(n_vis.max()) if n > 0 else 0
+        if fb.caps is not None:
+            emax = fb.caps.entries(4)
+        else:
+            emax = int(n_vis.max()) if n > 0 else 0
         if emax == 0:
             z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
             return z, z.bool()

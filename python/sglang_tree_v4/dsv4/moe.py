@@ -58,8 +58,8 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``. ``expert(e)`` gives one expert's float
-    weights; a quantized subclass (``quantized.FP4Experts``) keeps them packed and dequantises one expert at a
-    time. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the model's and adds only
+    weights; a quantized subclass (``quantized.FP4Experts``) keeps them packed and dequantises them for its
+    grouped matmuls. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the model's and adds only
     their share of each token (the ranks' shares are summed by an all-reduce, see ``tp``)."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float, first: int = 0):
@@ -74,22 +74,27 @@ class Experts(nn.Module):
         return self.w1[e], self.w3[e], self.w2[e]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.grouped(x, idx, w, self.w1, self.w3, self.w2)
+
+    def grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
         """Grouped dispatch: the (token, expert) pairs sorted by expert, three segmented matmuls over all experts
         at once (``torch._grouped_mm`` with per-expert offsets, CPU and CUDA), the weighted rows added back to their
         tokens. No loop over experts and no host synchronisation. Pairs routed to another rank's experts sort
         last, past the final offset, where the grouped matmul leaves its output undefined: they are masked out."""
         n, k = idx.shape
-        held = self.w1.shape[0]
+        held = w1.shape[0]
         local = idx.reshape(-1) - self.first
         mine = (local >= 0) & (local < held)
         flat = torch.where(mine, local, held)
         order = flat.argsort(stable=True)
         tokens = order // k
-        offsets = torch.bincount(flat, minlength=held + 1)[:held].cumsum(0).to(torch.int32)
+        counts = torch.zeros(held + 1, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts[:held].cumsum(0).to(torch.int32)
         rows = x[tokens]
-        gate = torch._grouped_mm(rows, self.w1.transpose(1, 2), offs=offsets)
-        up = torch._grouped_mm(rows, self.w3.transpose(1, 2), offs=offsets)
-        down = torch._grouped_mm(swiglu(gate, up, self.limit), self.w2.transpose(1, 2), offs=offsets)
+        gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offsets)
+        up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offsets)
+        down = torch._grouped_mm(swiglu(gate, up, self.limit), w2.transpose(1, 2), offs=offsets)
         weighted = torch.where(mine[order, None], down * w.reshape(-1)[order, None].to(down.dtype), 0)
         return torch.zeros_like(x).index_add(0, tokens, weighted.to(x.dtype))
 

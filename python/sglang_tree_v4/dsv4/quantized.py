@@ -117,8 +117,8 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
 
 class FP4Experts(Experts):
     """Routed experts with FP4 weights: ``w1, w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` packed bytes and their e8m0
-    scales ``w*_scale [E, out, in/32]``. Used through ``Experts``' interface: ``expert(e)`` dequantises one expert
-    (the tile the matmul needs), nothing else is ever materialised."""
+    scales ``w*_scale [E, out, in/32]``. Used through ``Experts``' interface: ``expert(e)`` dequantises one expert;
+    the forward dequantises the held experts for one grouped dispatch."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float, device=None, first: int = 0):
         nn.Module.__init__(self)
@@ -132,22 +132,12 @@ class FP4Experts(Experts):
         return tuple(dequantize_fp4(getattr(self, n)[e], getattr(self, n + "_scale")[e]) for n in ("w1", "w3", "w2"))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The CPU reference: one expert present in the batch (and held by this rank) at a time, dequantised for
-        its matmuls (on a GPU this is the place for a fused FP4 MoE kernel)."""
-        n, k = idx.shape
-        out = torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        tokens = torch.arange(n, device=x.device).repeat_interleave(k)
-        weights = w.reshape(-1)
-        for e in flat.unique().tolist():
-            if not self.first <= e < self.first + self.w1.shape[0]:
-                continue  # another rank's expert
-            sel = (flat == e).nonzero().squeeze(1)
-            t = tokens[sel]
-            w1, w3, w2 = (m.to(x.dtype) for m in self.expert(e - self.first))
-            h = swiglu(x[t] @ w1.t(), x[t] @ w3.t(), self.limit)
-            out = out.index_add(0, t, (h @ w2.t()) * weights[sel, None])
-        return out
+        """The CPU reference: the held experts dequantised into one temporary, then the grouped dispatch of
+        ``Experts`` (no loop over experts, no host synchronisation). On a GPU this is the place for a fused FP4 MoE
+        kernel, which reads the packed weights directly."""
+        w1, w3, w2 = (dequantize_fp4(getattr(self, n), getattr(self, n + "_scale")).to(x.dtype)
+                      for n in ("w1", "w3", "w2"))
+        return self.grouped(x, idx, w, w1, w3, w2)
 
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch import nn
 from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
-from .storage import SlotStore, SlotTable, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
+from .storage import SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
 from .weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -49,16 +49,17 @@ def pool_layers(cfg: DSV4Config) -> int:
 def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:
     """``anc[q, d]`` = verify slot of the depth-``d`` node on query ``q``'s root path (-1 beyond its depth).
 
-    ``custom_mask`` is SGLang's per-request ancestors-or-self mask, flat ``[bs * n * n]`` (row = node).
+    ``custom_mask`` is SGLang's per-request ancestors-or-self mask, flat ``[bs * n * n]`` (row = node). Fixed
+    shapes, no host sync: every (node i, node j) pair scatters slot(j) to column depth(j) of row i when j is an
+    ancestor of i, and to a spare last column otherwise (ancestors of one node have distinct depths).
     """
     anc = custom_mask.view(bs, n, n).bool()
     depth = anc.sum(-1) - 1  # [bs, n]
-    slots = out_slots.view(bs, n)
-    table = torch.full((bs, n, n), -1, dtype=torch.long, device=out_slots.device)
-    # For every (node i, ancestor j) pair put slot(j) at column depth(j) of row i.
-    b, i, j = anc.nonzero(as_tuple=True)
-    table[b, i, depth[b, j]] = slots[b, j].long()
-    return table.view(bs * n, n)
+    slots = out_slots.view(bs, 1, n).long().expand(bs, n, n)
+    cols = torch.where(anc, depth[:, None, :], n)
+    table = torch.full((bs, n, n + 1), -1, dtype=torch.long, device=out_slots.device)
+    table.scatter_(2, cols, torch.where(anc, slots, -1))
+    return table[..., :n].reshape(bs * n, n)
 
 
 def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: torch.Tensor,
@@ -69,6 +70,15 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     query_req = torch.arange(bs, device=committed.device).repeat_interleave(n)
     anc = tree_ancestor_slots(custom_mask, out_slots, bs, n)
     return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc)
+
+
+def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int) -> StepCaps:
+    """Capacities of a verify forward. On a GPU the startup capacity (``req_to_token``'s width), so that one
+    captured step serves every context length; on a CPU, where nothing is captured and padding costs in proportion,
+    a power-of-two bucket of the longest context (reading CPU lengths drains nothing)."""
+    if seq_lens.is_cuda or seq_lens.numel() == 0:
+        return StepCaps(capacity)
+    return StepCaps.bucket(int(seq_lens.max()) + n, capacity)
 
 
 class TreeV4DeepseekV4ForCausalLM(nn.Module):
@@ -124,15 +134,18 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         positions = positions.long()
         device = positions.device
         if mode.is_target_verify():
-            table = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask, out_slots,
-                                 forward_batch.spec_info.draft_token_num)
+            n = forward_batch.spec_info.draft_token_num
+            table = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask, out_slots, n)
+            caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1])
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))
             query_req = torch.arange(bs, device=device).repeat_interleave(counts.long())
             table = SlotTable.for_requests(req_table, query_req, positions)
+            caps = None
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
-        out = self.model(SlotBatch(input_ids.long(), positions, out_slots, table), store, logits_rows=no_rows).streams
+        batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps)
+        out = self.model(batch, store, logits_rows=no_rows).streams
         streams[out_slots] = out.flatten(1).to(streams.dtype)
         self.last_streams = out
         final = self.model.norm(self.model.hc_head(out))

@@ -167,14 +167,40 @@ class SlotTable:
                          torch.zeros(positions.shape[0], 0, dtype=torch.long, device=positions.device))
 
 
+@dataclass(frozen=True)
+class StepCaps:
+    """Capacities that fix every shape of a forward, so that it needs no host synchronisation.
+
+    Without caps a forward sizes its lists by the batch (``int(counts.max())``, ``nonzero`` on the block-closing
+    queries): cheap, but each such read drains a GPU and makes shapes data-dependent, so the step cannot be captured.
+    With caps every list has a width known before the step runs: a query may see at most ``max_context // r``
+    entries of ratio ``r`` (fewer are masked), every query computes its would-be entry and only block-closing
+    queries keep it. ``max_context`` is a startup capacity (SGLang's ``req_to_token`` width) or, where nothing is
+    captured, a bucket of the batch's longest context known on the host (same code, smaller padding)."""
+
+    max_context: int
+
+    def entries(self, ratio: int) -> int:
+        """Most entries of ratio ``ratio`` a query at position ``< max_context`` can see."""
+        return self.max_context // ratio
+
+    @staticmethod
+    def bucket(longest: int, limit: int) -> "StepCaps":
+        """The next power of two at or above ``longest`` (at least 64), at most ``limit``: few distinct shapes."""
+        return StepCaps(min(max(64, 1 << max(int(longest) - 1, 0).bit_length()), limit))
+
+
 @dataclass
 class ForwardBatch:
-    """N query tokens (any mix of requests: prefill chunks, decode tokens, draft-tree nodes)."""
+    """N query tokens (any mix of requests: prefill chunks, decode tokens, draft-tree nodes).
+
+    ``caps``: None sizes lists by the batch (eager); a ``StepCaps`` fixes every shape (no host sync, capturable)."""
 
     input_ids: torch.Tensor  # [N] long
     positions: torch.Tensor  # [N] long
     out_slots: torch.Tensor  # [N] long: the ONLY slot each query writes
     table: SlotTable
+    caps: StepCaps | None = None
     memo_: dict = field(default_factory=dict, repr=False)
 
     def memo(self, key: Any, fn: Callable[[], Any]) -> Any:

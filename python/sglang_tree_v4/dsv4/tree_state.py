@@ -28,18 +28,21 @@ from dataclasses import dataclass
 import torch
 
 from .model import DSV4Model
-from .storage import ForwardBatch, SlotStore, SlotTable
+from .storage import ForwardBatch, SlotStore, SlotTable, StepCaps
 
 
-def tree_paths(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_paths(parents: torch.Tensor, num_nodes: torch.Tensor,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """parents [B, D] -> (depth [B, D], path [B, D, D]) with ``path[b, n, j]`` = the ancestor of node n at depth j
-    (``path[b, n, depth[b, n]] == n``), -1 beyond the node's depth and for padding nodes."""
+    (``path[b, n, depth[b, n]] == n``), -1 beyond the node's depth and for padding nodes. ``check=False`` skips
+    the validation, the one host synchronisation here (inside a fixed-shape step)."""
     B, D = parents.shape
     dev = parents.device
     valid = torch.arange(D, device=dev)[None, :] < num_nodes[:, None]
-    bad_child = valid[:, 1:] & ((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, D, device=dev)))
-    if (parents[:, 0] != -1).any() or bad_child.any():
-        raise ValueError("parents must be -1 for the root and satisfy 0 <= parents[i] < i for every other node")
+    if check:
+        bad_child = valid[:, 1:] & ((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, D, device=dev)))
+        if (parents[:, 0] != -1).any() or bad_child.any():
+            raise ValueError("parents must be -1 for the root and satisfy 0 <= parents[i] < i for every other node")
     # climb: chain[k] = k-th ancestor (k = 0 is the node itself)
     chain = [torch.where(valid, torch.arange(D, device=dev).expand(B, D), -1)]
     for _ in range(D - 1):
@@ -74,24 +77,36 @@ class VerifyBatch:
     node_index: torch.Tensor  # [N] node index inside its tree
     request_index: torch.Tensor  # [N] b
     depth: torch.Tensor  # [B, D]
-    counts: list[int]  # nodes per request
+    counts: list[int] | None  # nodes per request (None with fixed shapes: every request has D rows)
 
 
 def build_verify_batch(req_table: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor,
                        parents: torch.Tensor, num_nodes: torch.Tensor, scratch: torch.Tensor,
-                       isolation: bool = True) -> VerifyBatch:
+                       isolation: bool = True, caps: StepCaps | None = None) -> VerifyBatch:
     """Flatten B trees into one ForwardBatch.
 
     req_table [R, T]: committed position -> slot (SGLang's ``req_to_token``); rids [B]: rows of it; lens [B]:
     committed lengths L; scratch [B, D]: each node's own output slot (SGLang: the request's verify slots).
     ``isolation=False`` exists only for the ablation test: nodes at the same depth then share one slot (a
     position-indexed table, what a chain verifier would do), so siblings overwrite each other's state.
+
+    ``caps`` (fixed shapes, no host sync): every node column of every request is a query, padding included, so
+    ``scratch`` must hold a slot for each of the B x D nodes (SGLang reserves D verify slots per request); a
+    padding node writes only its own slot and nothing reads it.
     """
     B, D = tokens.shape
     dev = tokens.device
-    depth, path = tree_paths(parents, num_nodes)
-    valid = torch.arange(D, device=dev)[None, :] < num_nodes[:, None]
-    b_idx, n_idx = valid.nonzero(as_tuple=True)
+    depth, path = tree_paths(parents, num_nodes, check=caps is None)
+    if caps is not None:
+        if not isolation:
+            raise ValueError("the isolation ablation has no fixed-shape form")
+        b_idx = torch.arange(B, device=dev).repeat_interleave(D)
+        n_idx = torch.arange(D, device=dev).repeat(B)
+        counts = None
+    else:
+        valid = torch.arange(D, device=dev)[None, :] < num_nodes[:, None]
+        b_idx, n_idx = valid.nonzero(as_tuple=True)
+        counts = num_nodes.tolist()
     if isolation:
         out_slots = scratch[b_idx, n_idx]
         anc_nodes = path[b_idx, n_idx]  # [N, D]
@@ -102,8 +117,8 @@ def build_verify_batch(req_table: torch.Tensor, rids: torch.Tensor, lens: torch.
         anc = torch.where(dd <= depth[b_idx, n_idx][:, None], scratch[b_idx[:, None], dd.expand(len(b_idx), D)], -1)
     positions = lens[b_idx] + depth[b_idx, n_idx]
     table = SlotTable(req_table, rids[b_idx], lens[b_idx], anc)
-    fb = ForwardBatch(tokens[b_idx, n_idx], positions, out_slots, table)
-    return VerifyBatch(fb, n_idx, b_idx, depth, num_nodes.tolist())
+    fb = ForwardBatch(tokens[b_idx, n_idx], positions, out_slots, table, caps)
+    return VerifyBatch(fb, n_idx, b_idx, depth, counts)
 
 
 @dataclass
@@ -124,17 +139,22 @@ def verify(model: DSV4Model, store: SlotStore, req_table: torch.Tensor, rids: to
     return VerifyResult(list(out.logits.split(vb.counts)), list(out.streams.split(vb.counts)), vb.depth)
 
 
-def commit(stores: list[SlotStore], req_table: torch.Tensor, rid: int, L: int, accepted: torch.Tensor,
-           scratch: torch.Tensor, canonical: torch.Tensor) -> None:
-    """Mechanism 3: accepted node indices (root first, a path) of request ``rid`` -> rows copied from their scratch
-    slots ``scratch[accepted]`` into ``canonical`` (the slots of positions ``L .. L+k``), table updated.
+def commit(stores: list[SlotStore], req_table: torch.Tensor, rids: torch.Tensor, lens: torch.Tensor,
+           accepted: torch.Tensor, scratch: torch.Tensor, canonical: torch.Tensor) -> None:
+    """Mechanism 3 for a batch, with fixed shapes (no host sync): ``accepted [B, D]`` node indices (root first,
+    a path, -1 padded) of requests ``rids [B]`` -> rows copied from their scratch slots into ``canonical [B, D]``
+    (column j = the slot of position ``lens[b] + j``), the request table pointed there.
 
     ``canonical`` may overlap ``scratch`` (SGLang moves accepted rows to the front of the verify slots): a node's
-    index is never smaller than its depth, so the gather-then-scatter copy is safe."""
-    src = scratch[accepted]
+    index is never smaller than its depth, and the copy gathers every source row before it writes. Padding
+    columns copy a canonical row onto itself and rewrite the root's table entry with the same value."""
+    valid = accepted >= 0
+    root = canonical[:, :1].expand_as(canonical)
+    src = torch.where(valid, scratch.gather(1, accepted.clamp(min=0)), canonical)
     for s in stores:
-        s.copy_rows(src, canonical)
-    req_table[rid, L:L + len(accepted)] = canonical
+        s.copy_rows(src.flatten(), canonical.flatten())
+    cols = lens.long()[:, None] + torch.where(valid, torch.arange(accepted.shape[1], device=valid.device), 0)
+    req_table[rids.long()[:, None].expand_as(cols), cols] = torch.where(valid, canonical, root)
 
 
 def committed_checksum(stores: list[SlotStore], req_table: torch.Tensor, rids: torch.Tensor,
@@ -198,7 +218,9 @@ class TreeVerifier:
         s = self.scratch.pop(rid)
         k1 = len(accepted)
         L = self.r.lens[rid]
-        commit(self.stores, self.r.req_table, rid, L, torch.tensor(accepted, device=s.device), s, s[:k1])
+        dev = s.device
+        commit(self.stores, self.r.req_table, torch.tensor([rid], device=dev), torch.tensor([L], device=dev),
+               torch.tensor([accepted], device=dev), s[None], s[None, :k1])
         self.r.lens[rid] = L + k1
         self.r.alloc.release(s[k1:].tolist())
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..dsv4.mtp import new_mtp_store
-from ..dsv4.sglang_model import verify_table
+from ..dsv4.sglang_model import verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes
@@ -104,7 +104,8 @@ def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, toke
     out_slots = table[torch.arange(bs, device=device)[:, None], prefix[:, None] + torch.arange(d, device=device)]
     out_slots = out_slots.flatten()
     positions = (prefix[:, None] + torch.arange(d, device=device)).flatten()
-    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, verify_table(table, prefix, mask, out_slots, d))
+    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, verify_table(table, prefix, mask, out_slots, d),
+                         verify_caps(prefix, d, table.shape[1]))
     return model(batch, store)
 
 

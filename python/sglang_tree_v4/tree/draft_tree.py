@@ -132,7 +132,7 @@ class DraftTree:
         Padding rows see only themselves (so no attention row is empty); padding columns are seen by nobody else.
         """
         batch, width = self.tokens.shape
-        path = self.path_nodes()
+        path = self.path_nodes(max_depth=width - 1)  # the largest depth possible: no host sync
         cols = torch.where(path >= 0, path, width)
         mask = torch.zeros(batch, width, width + 1, dtype=torch.bool, device=self.device)
         mask.scatter_(2, cols, True)

@@ -81,12 +81,14 @@ class SamplingParams:
 
 
 def target_probs(
-    logits: torch.Tensor, params: SamplingParams, candidate_caps: tuple[int, ...] = (64, 1024)
+    logits: torch.Tensor, params: SamplingParams, candidate_caps: tuple[int, ...] = (64, 1024),
+    fixed_shapes: bool = False,
 ) -> torch.Tensor:
     """Processed target distribution of each row: ``logits [N, V]`` -> float32 ``[N, V]`` summing to 1.
 
     ``params`` has one entry per row. ``candidate_caps`` only tunes speed (how many top candidates are tried, in
-    turn, before the slower paths); the kept tokens do not depend on it.
+    turn, before the slower paths); the kept tokens do not depend on it. ``fixed_shapes``: every row through one
+    full sort and masks, no host synchronisation (a captured step); the same tokens are kept.
     """
     n, vocab = logits.shape
     greedy = params.is_greedy()
@@ -94,6 +96,8 @@ def target_probs(
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     top_ks = torch.where((params.top_ks <= 0) | (params.top_ks > vocab), vocab, params.top_ks)
     cut = ~greedy & ((top_ks < vocab) | (params.top_ps < 1.0))
+    if fixed_shapes:
+        return _target_probs_fixed(logits, probs, greedy, cut, top_ks, params)
     if bool(cut.any()):
         rows = cut.nonzero().squeeze(1)
         if rows.numel() == n:
@@ -110,6 +114,22 @@ def target_probs(
         rows = greedy.nonzero().squeeze(1)
         probs[rows] = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(-1, keepdim=True), 1.0)
     return probs
+
+
+def _target_probs_fixed(logits: torch.Tensor, probs: torch.Tensor, greedy: torch.Tensor, cut: torch.Tensor,
+                        top_ks: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``target_probs`` with every row processed alike: one stable descending sort (ties by token id), the joint
+    cutoff, min-p and the greedy one-hot chosen per row by masks."""
+    values, tokens = probs.sort(dim=-1, descending=True, stable=True)
+    cutoff = torch.zeros_like(probs)
+    _scatter_cutoff(cutoff, torch.arange(probs.shape[0], device=probs.device), values, tokens, top_ks,
+                    params.top_ps.float())
+    probs = torch.where(cut[:, None], cutoff, probs)
+    min_p = params.min_ps.float()[:, None]
+    floor = torch.where(probs >= min_p * probs.amax(-1, keepdim=True), probs, 0.0)
+    probs = torch.where((~greedy & (params.min_ps > 0))[:, None], floor / floor.sum(-1, keepdim=True), probs)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
 
 
 def _top_k_top_p(

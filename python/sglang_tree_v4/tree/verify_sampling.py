@@ -57,6 +57,7 @@ def verify_sampling(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     coins: VerifyCoins | None = None,
+    fixed_shapes: bool = False,
 ) -> VerifyResult:
     """Stochastic verify of a batch with per-request sampling parameters.
 
@@ -66,8 +67,10 @@ def verify_sampling(
         params: per-request temperature / top-k / top-p / min-p (greedy rows allowed).
         generator: source of the coins when ``coins`` is None.
         coins: explicit coins (for reproduction and tests).
+        fixed_shapes: process the target distributions without host synchronisation (``target_probs``), as a
+            captured step must; otherwise the faster data-dependent paths (the same tokens kept).
 
-    Loops over depth only; each iteration processes the target distribution of the still-descending requests.
+    Loops over depth only (``D`` times), every request each time.
     """
     batch, width, _ = target_logits.shape
     device = target_logits.device
@@ -79,29 +82,20 @@ def verify_sampling(
     # repeats[b, j]: an earlier sibling of j carries the same token (its mass is already gone from the residual).
     same = (tokens[:, :, None] == tokens[:, None, :]) & (tree.parents[:, :, None] == tree.parents[:, None, :])
     repeats = (same & (idx[None, :] < idx[:, None])).any(-1)
-
+    rows = torch.arange(batch, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
-    bonus = torch.zeros(batch, dtype=torch.long, device=device)
-    rows = torch.arange(batch, device=device)  # requests still descending
-    while rows.numel() > 0:
-        node = current[rows]
-        probs = target_probs(target_logits[rows, node], params.select(rows))
-        children = (tree.parents[rows] == node[:, None]) & valid[rows]
-        row_tokens = tokens[rows]
-        mass = torch.where(children & ~repeats[rows], probs.gather(1, row_tokens).double(), 0.0)
+    # One descent per depth, every request each time (fixed shapes, no host sync): a request that stopped stays
+    # where it stopped, because the same node, distribution and coins reject the same children again.
+    for _ in range(width):
+        probs = target_probs(target_logits[rows, current], params, fixed_shapes=fixed_shapes)
+        children = (tree.parents == current[:, None]) & valid
+        mass = torch.where(children & ~repeats, probs.gather(1, tokens).double(), 0.0)
         mass_before = mass.cumsum(-1) - mass
         accept_prob = (mass / (1.0 - mass_before).clamp(min=1e-30)).clamp(0.0, 1.0)
-        accepted = children & (coins.accept[rows] < accept_prob)
-        has_child = accepted.any(-1)
-        first = accepted.int().argmax(-1)
-        current[rows] = torch.where(has_child, first, node)
-        done = ~has_child
-        if bool(done.any()):
-            done_rows = done.nonzero().squeeze(1)
-            bonus[rows[done_rows]] = _sample_residual(
-                probs[done_rows], row_tokens[done_rows], children[done_rows], coins.bonus[rows[done_rows]]
-            )
-        rows = rows[has_child]
+        accepted = children & (coins.accept < accept_prob)
+        current = torch.where(accepted.any(-1), accepted.int().argmax(-1), current)
+    # Where the walk stopped every child was tried and rejected: the bonus comes from the residual there.
+    bonus = _sample_residual(probs, tokens, children, coins.bonus)
     return VerifyResult.from_last_node(tree, current, bonus)
 
 
