@@ -6,9 +6,12 @@ stack (``sglang_tree_v4.dsv4``, random weights) at V4-Flash per-layer shapes -- 
 window 128, CSA 4 / HCA 128, 64 index heads, index top-k 512, 256 routed experts of width 2048 (top-6) -- with a few
 layers (``--layers``: compress ratio per layer), so that a full-model cost is the per-layer cost times 43.
 
-For each batch size b and budget D it times ``TreeVerifier.verify`` (CUDA events, median) over b requests that
-share a ``--context``-token prefix, for the matched chain and for an EAGLE-like tree of the same D; D=1 is plain
-decoding (no speculation). One JSONL line per (shape, b, D): tokens = b*D, median_ms, layers, experts, ...
+For each batch size b and budget D it times ``TreeVerifier.verify`` (eager, op "verify") and the fixed-shape step
+``dsv4.verify_step`` (forward + greedy acceptance + commit) captured as one CUDA graph with
+``torch.cuda.set_sync_debug_mode("error")`` during warm-up and capture (op "step_graph"; "step_fixed" uncaptured,
+``--no-graph`` or on a CPU), median wall time, over b requests that share a ``--context``-token prefix, for the
+matched chain and for an EAGLE-like tree of the same D; D=1 is plain decoding (no speculation). One JSONL line per
+(op, shape, b, D): tokens = b*D, median_ms, layers, experts, ...
 
     python benchmark/gpu_verify_cost.py [--out benchmark/results/gpu_verify_cost.jsonl] [--quick]
     python benchmark/cost_model.py benchmark/results/sweep_cpu.jsonl \
@@ -95,6 +98,48 @@ def timed_ms(fn, sync, reps: int) -> float:
     return statistics.median(times)
 
 
+def captured_step(model, runner, rids, toks, par, d: int, capacity: int, sync, reps: int, capture: bool) -> float:
+    """The fixed-shape verify step (``dsv4.verify_step``: forward, greedy acceptance, accepted-path commit) with
+    static inputs, warmed up and (on CUDA) captured as one CUDA graph under ``set_sync_debug_mode("error")``, so any
+    host synchronisation inside the step raises; returns the median ms of a replay (eager calls without capture).
+    Replays are idempotent: each node rewrites its own slot before the commit copies the accepted rows."""
+    from sglang_tree_v4.dsv4.storage import StepCaps
+    from sglang_tree_v4.dsv4.verify_step import verify_step
+    from sglang_tree_v4.tree import DraftTree
+
+    dev = toks.device
+    b = toks.shape[0]
+    tree = DraftTree.from_parents(toks, par)  # validated here, outside the step
+    lens = torch.tensor([runner.lens[r] for r in rids], device=dev)
+    scratch = torch.tensor([runner.alloc.alloc(d) for _ in rids], device=dev)
+    rid_t = torch.tensor(rids, device=dev)
+    caps = StepCaps(capacity)
+
+    def step():
+        return verify_step(model, runner.store, runner.req_table, rid_t, lens, tree, scratch, scratch, caps)
+
+    try:
+        if not capture:
+            return timed_ms(step, sync, reps)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return timed_ms(graph.replay, sync, reps)
+    finally:
+        runner.req_table[rid_t[:, None], lens[:, None] + torch.arange(d, device=dev)] = -1
+        runner.alloc.release(scratch.flatten().tolist())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmark/results/gpu_verify_cost.jsonl")
@@ -112,6 +157,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="batch 1,8,64; budgets 1,8; 5 reps")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke-test the code path on a CPU (tiny shapes)")
+    ap.add_argument("--no-graph", action="store_true", help="time the fixed-shape step eagerly, without capture")
     a = ap.parse_args()
     if not torch.cuda.is_available() and not a.allow_cpu:
         print("gpu_verify_cost.py needs a CUDA GPU (none found); nothing measured. "
@@ -165,14 +211,19 @@ def main() -> int:
                         for r in sub:
                             tv.rollback(r)
 
-                    ms = timed_ms(once, sync, a.reps)
-                    rec = {"op": "verify", "shape": shape, "batch_size": b, "budget": d, "tokens": b * d,
-                           "median_ms": ms, "layers": len(ratios), "compress_ratios": ratios,
-                           "experts": a.experts, "hidden": a.hidden, "context": a.context, "dtype": str(dtype),
-                           "device": name, "torch": torch.__version__}
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                    print(f"{shape:>5} D={d} b={b:>3} tokens={b * d:>4}: {ms:8.2f} ms", flush=True)
+                    graph = dev.type == "cuda" and not a.no_graph
+                    timings = {"verify": timed_ms(once, sync, a.reps),
+                               "step_graph" if graph else "step_fixed": captured_step(
+                                   model, runner, sub, toks, par, d, runner.req_table.shape[1], sync, a.reps,
+                                   graph)}
+                    for op, ms in timings.items():
+                        rec = {"op": op, "shape": shape, "batch_size": b, "budget": d, "tokens": b * d,
+                               "median_ms": ms, "layers": len(ratios), "compress_ratios": ratios,
+                               "experts": a.experts, "hidden": a.hidden, "context": a.context, "dtype": str(dtype),
+                               "device": name, "torch": torch.__version__}
+                        out.write(json.dumps(rec) + "\n")
+                        out.flush()
+                        print(f"{op:>10} {shape:>5} D={d} b={b:>3} tokens={b * d:>4}: {ms:8.2f} ms", flush=True)
     print("wrote", a.out)
     return 0
 

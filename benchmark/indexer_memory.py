@@ -6,9 +6,10 @@
 Runs ``dsv4.compressor.Indexer.select`` on the CPU at V4-Flash indexer shapes (64 heads, head dim 128, top-k 512,
 hidden 4096, q rank 1024) for ``--queries`` queries at the end of a ``--context``-token sequence (one index key per
 4 tokens), once with the whole context in one chunk (the algorithm before chunking) and once with the default
-chunk, and records the peak of the bytes held by tensors created inside the call (a ``TorchDispatchMode`` that
+chunk, then in chunks with fixed shapes (every query scores ``--capacity / 4`` entries, the ones past its context
+masked, as a captured step does), and records the peak of the bytes held by tensors created inside the call (a ``TorchDispatchMode`` that
 follows every op's outputs until they are freed). The temporaries grow with queries x entries x (heads + head dim)
-in one pass and stay at the chunk's size in chunks; the selected entries are checked to be the same.
+in one pass and stay at the chunk's size in chunks, padded or not; the selected entries are checked to be the same.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--capacity", type=int, default=262144,
+                    help="context capacity of the fixed-shape run (entries padded up to capacity / 4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from sglang_tree_v4.dsv4 import compressor
     from sglang_tree_v4.dsv4.rope import Rope
-    from sglang_tree_v4.dsv4.storage import ForwardBatch, LayerLayout, SlotStore, SlotTable
+    from sglang_tree_v4.dsv4.storage import ForwardBatch, LayerLayout, SlotStore, SlotTable, StepCaps
 
     heads, ihd, topk, dim, q_rank = 64, 128, 512, 4096, 1024
     g = torch.Generator().manual_seed(0)
@@ -66,22 +69,28 @@ def main(argv: list[str] | None = None) -> None:
     store.write(0, "ientry", torch.arange(L + n), torch.randn(L + n, ihd, generator=g))
     positions = torch.arange(L, L + n)
     table = SlotTable.for_requests(torch.arange(L + n)[None], torch.zeros(n, dtype=torch.long), positions)
-    fb = ForwardBatch(torch.zeros(n, dtype=torch.long), positions, positions, table)
     rope = Rope(64, 160000.0)
     cos, sin = rope.cos_sin(positions)
     x, q_res = torch.randn(n, dim, generator=g), torch.randn(n, q_rank, generator=g)
     records, chosen = [], {}
-    for mode, elements in (("one pass", 1 << 62), ("chunks", compressor.INDEXER_CHUNK_ELEMENTS)):
+    chunk = compressor.INDEXER_CHUNK_ELEMENTS
+    fixed = StepCaps(max(args.capacity, L + n))
+    for mode, elements, caps in (("one pass", 1 << 62, None), ("chunks", chunk, None),
+                                 ("chunks, fixed shapes", chunk, fixed)):
         compressor.INDEXER_CHUNK_ELEMENTS = elements
+        fb = ForwardBatch(torch.zeros(n, dtype=torch.long), positions, positions, table, caps)
         tracker = PeakBytes()
         with torch.no_grad(), tracker:
             idx, ok = indexer.select(x, q_res, fb, store, 0, rope, cos, sin)
-        chosen[mode] = idx.sort(-1).values
-        records.append({"bench": "indexer_memory", "mode": mode, "context": L, "entries": L // 4, "queries": n,
-                        "chunk_entries": min(indexer.chunk_entries(n), L // 4), "peak_temp_bytes": tracker.peak,
+        chosen[mode] = torch.where(ok, idx, -1).sort(-1).values
+        entries = L // 4 if caps is None else caps.entries(4)
+        records.append({"bench": "indexer_memory", "mode": mode, "context": L, "entries": entries, "queries": n,
+                        "capacity": None if caps is None else caps.max_context,
+                        "chunk_entries": min(indexer.chunk_entries(n), entries), "peak_temp_bytes": tracker.peak,
                         "peak_temp_bytes_per_query": tracker.peak // n})
         print(json.dumps(records[-1]), flush=True)
-    assert torch.equal(chosen["one pass"], chosen["chunks"]), "chunked selection differs"
+    for mode in ("chunks", "chunks, fixed shapes"):
+        assert torch.equal(chosen["one pass"], chosen[mode]), f"{mode}: selection differs"
     if args.out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

@@ -49,7 +49,7 @@ class Compressor(nn.Module):
             return
         p = fb.positions[closers]
         if self.overlap:  # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves
-            col_off = torch.tensor([0] * r + [d] * r, device=p.device)
+            col_off = torch.arange(2 * r, device=p.device).ge(r).long() * d  # no host-to-device copy
             ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
         else:
             col_off, ape = torch.zeros(r, dtype=torch.long, device=p.device), self.ape

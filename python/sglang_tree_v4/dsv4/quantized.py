@@ -50,9 +50,13 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., n/2]`` bytes -> ``[..., n]`` float32 e2m1 values (low nibble first)."""
     b = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    table = _E2M1.to(b.device)
-    lo, hi = table[(b & 0xF).long()], table[(b >> 4).long()]
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    # Decoded arithmetically (no lookup table to copy to the device inside a step): magnitude code m in 0..7 is
+    # m / 2 below 2, else 2^(e - 1) * (1 + mantissa / 2) with e = m // 2, mantissa = m % 2; bit 3 is the sign.
+    m = (codes & 7).float()
+    e = torch.floor(m / 2)
+    mag = torch.where(m < 2, m * 0.5, torch.exp2(e - 1) * (1 + (m - 2 * e) / 2))
+    return torch.where(codes >= 8, -mag, mag)
 
 
 def pack_fp4(values: torch.Tensor) -> torch.Tensor:

@@ -201,7 +201,8 @@ class TreeV4Worker(BaseSpecWorker):
             return verify_greedy(tree, logits)
         params = SamplingParams(temperatures=info.temperatures.flatten().float(), top_ks=info.top_ks.long(),
                                 top_ps=info.top_ps.float(), min_ps=info.min_ps.float())
-        return verify_sampling(tree, logits, params, coins=self._coins(batch, tree.tokens.shape[1]))
+        return verify_sampling(tree, logits, params, coins=self._coins(batch, tree.tokens.shape[1]),
+                               fixed_shapes=logits.is_cuda)  # no host sync where a GPU would drain
 
     def _coins(self, batch, width: int) -> VerifyCoins:
         """Random numbers of this verify step. Where SGLang honours per-request seeds (deterministic inference,
