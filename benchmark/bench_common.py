@@ -74,6 +74,13 @@ def weights_digest(model_path: str | Path) -> str:
     return h.hexdigest()[:12]
 
 
+def write_records(path: Path | str | None, records: list[dict]) -> None:
+    """Records as JSONL at ``path`` (folders created; nothing when ``path`` is None)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def load_records(path: Path | str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

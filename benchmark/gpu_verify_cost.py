@@ -108,7 +108,6 @@ def captured_step(model, runner, rids, toks, par, d: int, capacity: int, sync, r
     from sglang_tree_v4.tree import DraftTree
 
     dev = toks.device
-    b = toks.shape[0]
     tree = DraftTree.from_parents(toks, par)  # validated here, outside the step
     lens = torch.tensor([runner.lens[r] for r in rids], device=dev)
     scratch = torch.tensor([runner.alloc.alloc(d) for _ in rids], device=dev)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import weakref
 
 import torch
+from bench_common import write_records
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -91,10 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(records[-1]), flush=True)
     for mode in ("chunks", "chunks, fixed shapes"):
         assert torch.equal(chosen["one pass"], chosen[mode]), f"{mode}: selection differs"
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+    write_records(args.out, records)
 
 
 if __name__ == "__main__":

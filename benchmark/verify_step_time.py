@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from bench_common import write_records
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -116,10 +118,7 @@ def main() -> None:
                 "vs_before": round(med[v] / med["before"], 3)} for v, t in times.items()]
     for r in records:
         print(json.dumps(r))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+    write_records(args.out, records)
 
 
 if __name__ == "__main__":

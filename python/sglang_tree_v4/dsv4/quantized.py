@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .moe import Experts, swiglu
+from .moe import Experts
 
 FP8_BLOCK = 128
 FP4_GROUP = 32
