@@ -252,3 +252,28 @@ def meaningful_rows(runner, slots, positions):
                 off, w = lay.pieces[piece]
                 rows[layer][(positions + 1) % r != 0, off:off + w] = 0
     return rows
+
+
+def test_sglang_tree_mask_ancestry_matches_tree_paths():
+    """The adapter reads each node's ancestry from SGLang's tree mask by a scatter (no ``nonzero``); on random
+    padded trees it must give, per node and depth, the slot of the ancestor that ``tree_paths`` names."""
+    from sglang_tree_v4.dsv4.sglang_model import tree_ancestor_slots
+    from sglang_tree_v4.dsv4.tree_state import tree_paths
+
+    rng = random.Random(9)
+    B, D = 5, 8
+    par = torch.full((B, D), -1, dtype=torch.long)
+    n = torch.tensor([rng.randrange(1, D + 1) for _ in range(B)])
+    for b in range(B):
+        for i in range(1, int(n[b])):
+            par[b, i] = rng.randrange(i)
+    tree = DraftTree.from_parents(torch.zeros(B, D, dtype=torch.long), par, n)
+    slots = torch.randperm(1000)[: B * D]
+    got = tree_ancestor_slots(tree.ancestor_mask().flatten(), slots, B, D).view(B, D, D)
+    _, path = tree_paths(par, n)
+    want = torch.where(path >= 0, slots.view(B, 1, D).expand(B, D, D).gather(2, path.clamp(min=0)), -1)
+    valid = tree.valid_mask()
+    assert torch.equal(got[valid], want[valid])
+    # a padding node sees itself only (SGLang's mask), at depth 0
+    pad = ~valid
+    assert torch.equal(got[pad][:, 0], slots.view(B, D)[pad]) and bool((got[pad][:, 1:] == -1).all())
