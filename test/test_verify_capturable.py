@@ -1,7 +1,8 @@
 """A whole TREE_V4 verify step with no host synchronisation and no data-dependent shape, proven on the CPU.
 
 The step (``dsv4.verify_step``: target forward over trees that cross CSA and HCA block boundaries, greedy and
-stochastic acceptance, accepted-path state writes) and one MTP draft step run with every tensor on the ``meta``
+stochastic acceptance, accepted-path state writes), one MTP draft step and a whole EAGLE-2 draft after the root's
+(``build_draft_tree``: further MTP steps and the rerank) run with every tensor on the ``meta``
 device -- weights, pools, request tables, trees, coins. Meta tensors refuse ``item``, ``tolist``, ``bool``,
 ``nonzero``, ``unique`` and boolean-mask indexing, so a step that completes there reads nothing back to the host and
 has the same shapes for any data: what a CUDA graph needs. (``torch.compile(fullgraph=True)`` is no proof: it
@@ -27,7 +28,8 @@ from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
 from sglang_tree_v4.dsv4.weights import load_model
 from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter
-from sglang_tree_v4.tree import DraftStep, DraftTree, SamplingParams, VerifyCoins, verify_greedy, verify_sampling
+from sglang_tree_v4.tree import (DraftStep, DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy,
+                                 verify_sampling)
 from sglang_tree_v4.tree.build import top_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +85,15 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
     logprobs, children = top_children(logits, K)
     assert children.is_meta and hidden.is_meta
     shapes["draft"] = (tuple(logits.shape), tuple(children.shape))
+    # The whole EAGLE-2 draft after the root's: S - 1 = 2 more MTP steps, then the rerank to D nodes, with
+    # per-request score temperatures (as the worker passes them).
+    V = cfg.vocab_size
+    root_draft = (torch.empty(B, 1, V, dtype=dt, device="meta"),
+                  torch.empty(B, 1, cfg.hc_mult, cfg.hidden_size, dtype=dt, device="meta"))
+    tree = build_draft_tree(torch.empty(B, dtype=torch.long, device="meta"), lens, drafter, 3, K, D,
+                            root_draft=root_draft, score_temperature=torch.empty(B, device="meta"))
+    assert tree.tokens.is_meta
+    shapes["tree"] = tuple(tree.tokens.shape)
     return shapes
 
 
@@ -101,6 +112,7 @@ def test_step_runs_on_meta_embedded_config(bucket):
     V = model.cfg.vocab_size
     assert shapes["greedy"] == shapes["sampled"] == ((B, D, V), (B, D), (B,))
     assert shapes["draft"] == ((B, K, V), (B, K, K))
+    assert shapes["tree"] == (B, D)
 
 
 def test_step_runs_on_meta_v4_flash_config():
@@ -112,6 +124,7 @@ def test_step_runs_on_meta_v4_flash_config():
     shapes = run_step_on_meta(model, 2, 8, 4, StepCaps(cfg.max_position_embeddings))
     assert shapes["greedy"] == ((2, 8, 129280), (2, 8), (2,))
     assert shapes["draft"] == ((2, 4, 129280), (2, 4, 4))
+    assert shapes["tree"] == (2, 8)
 
 
 def test_eager_path_is_refused_on_meta():

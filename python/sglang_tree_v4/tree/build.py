@@ -48,20 +48,26 @@ def build_draft_tree(
         root_draft: ``(logits [B, 1, V], hidden [B, 1, *H])`` if the caller already ran the drafter on the root
             (e.g. during draft extend); step 0 then does not call the drafter.
         score_temperature: T > 0 applied to the draft logits before the log-softmax that scores nodes (1: EAGLE-2's
-            raw draft confidence); a float or ``[B]`` per request.
+            raw draft confidence); a float (checked) or a tensor, ``[B]`` per request (not checked: that would read
+            it back to the host).
 
     Returns:
         The reranked :class:`DraftTree`, nodes in creation order (topological; siblings best first).
     """
     if num_steps < 1 or topk < 1:
         raise ValueError("num_steps and topk must be >= 1")
-    temperature = torch.as_tensor(score_temperature, dtype=torch.float32, device=root_tokens.device)
-    if not bool((temperature > 0).all()):
-        raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
     batch = root_tokens.shape[0]
     device = root_tokens.device
+    if isinstance(score_temperature, torch.Tensor):  # per request; the caller keeps it > 0 (no host read here)
+        temperature = score_temperature.to(device=device, dtype=torch.float32).expand(batch)
+    elif not score_temperature > 0:
+        raise ValueError(f"score_temperature must be > 0, got {score_temperature}")
+    else:  # 1: no rescaling
+        temperature = None if score_temperature == 1 else torch.full((batch,), float(score_temperature),
+                                                                       device=device)
     budget = torch.as_tensor(num_nodes, dtype=torch.long, device=device).expand(batch)
-    temperature = None if bool((temperature == 1).all()) else temperature.expand(batch)  # 1: no rescaling
+    # An int budget fixes the width; a per-request budget is read once (the one host sync left here).
+    width = num_nodes if isinstance(num_nodes, int) else int(budget.max())
     prefix_lens = prefix_lens.long()
     batch_idx = torch.arange(batch, device=device)[:, None]
 
@@ -144,6 +150,7 @@ def build_draft_tree(
         torch.cat(pool_logprobs, 1),
         torch.cat(pool_scores, 1),
         budget,
+        width,
     )
 
 
@@ -177,11 +184,11 @@ def _rerank(
     logprobs: torch.Tensor,
     scores: torch.Tensor,
     budget: torch.Tensor,
+    width: int,
 ) -> DraftTree:
-    """Keeps the ``budget[b]`` best pool entries of each request (root first), in pool order."""
+    """Keeps the ``budget[b]`` best pool entries of each request (root first), in pool order, ``width`` columns."""
     batch, pool = tokens.shape
     device = tokens.device
-    width = int(budget.max())
     take = min(width, pool)
     best = scores.argsort(dim=-1, descending=True, stable=True)[:, :take]
     num_valid = budget.clamp(max=pool)

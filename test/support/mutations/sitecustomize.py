@@ -52,9 +52,9 @@ def _leak_aborted(common) -> None:
 def _biased_accept(worker) -> None:
     original = worker.verify_sampling
 
-    def verify_sampling(tree, logits, params, generator=None, coins=None):
+    def verify_sampling(tree, logits, params, generator=None, coins=None, **kwargs):
         coins = worker.VerifyCoins((coins.accept - 0.02).clamp(min=0.0), coins.bonus)
-        return original(tree, logits, params, generator, coins)
+        return original(tree, logits, params, generator, coins, **kwargs)
 
     worker.verify_sampling = verify_sampling
 
