@@ -27,7 +27,7 @@ from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable, StepCaps
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
 from sglang_tree_v4.dsv4.weights import load_model
-from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter
+from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
 from sglang_tree_v4.tree import (DraftStep, DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy,
                                  verify_sampling)
 from sglang_tree_v4.tree.build import top_children
@@ -85,6 +85,11 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
     logprobs, children = top_children(logits, K)
     assert children.is_meta and hidden.is_meta
     shapes["draft"] = (tuple(logits.shape), tuple(children.shape))
+    # The MTP catch-up of a usual round (the last D committed positions of every request), which drafts the root.
+    streams = torch.empty(slots, cfg.hc_mult * cfg.hidden_size, dtype=dt, device="meta")
+    root_logits, root_hidden = catch_up_fixed(model, mtp_store, streams, req_table, lens,
+                                              torch.empty(B, D, dtype=torch.long, device="meta"))
+    assert root_logits.is_meta and tuple(root_hidden.shape) == (B, 1, cfg.hc_mult, cfg.hidden_size)
     # The whole EAGLE-2 draft after the root's: S - 1 = 2 more MTP steps, then the rerank to D nodes, with
     # per-request score temperatures (as the worker passes them).
     V = cfg.vocab_size
@@ -290,3 +295,34 @@ def test_sglang_tree_mask_ancestry_matches_tree_paths():
     # a padding node sees itself only (SGLang's mask), at depth 0
     pad = ~valid
     assert torch.equal(got[pad][:, 0], slots.view(B, D)[pad]) and bool((got[pad][:, 1:] == -1).all())
+
+
+@torch.no_grad()
+def test_fixed_catch_up_equals_the_eager_one(embedded):
+    """The MTP catch-up over the last C positions of every request (fixed shapes) leaves the same MTP rows and drafts
+    the same root as the eager catch-up over just the missing positions."""
+    from sglang_tree_v4.dsv4.storage import SlotStore
+
+    rng = random.Random(8)
+    cfg = embedded.cfg
+    lens, behind, C = [23, 40, 57], [3, 1, 8], 8
+    runner = DSV4Runner(embedded, num_slots=512, max_len=96, max_reqs=3)
+    rids = [runner.add_request() for _ in lens]
+    seqs = [[rng.randrange(2, cfg.vocab_size) for _ in range(L + 1)] for L in lens]  # the last one: the bonus
+    streams = torch.zeros(512, cfg.hc_mult * cfg.hidden_size)
+    for rid, out, seq in zip(rids, runner.extend(rids, [s[:-1] for s in seqs]), seqs):
+        streams[runner.slots_of(rid)] = out.streams.flatten(1)
+    table = runner.req_table[torch.tensor(rids)]
+    # both stores start with the MTP rows of every position but the last ``behind`` of each request
+    done = [L - k for L, k in zip(lens, behind)]
+    catch_up(embedded, runner.mtp_store, streams, table, [0] * 3, done, [s[1:d + 1] for s, d in zip(seqs, done)])
+    fixed_store = SlotStore(runner.mtp_store.layouts, 512, buffers=[b.clone() for b in runner.mtp_store.buffers])
+    eager_root = catch_up(embedded, runner.mtp_store, streams, table, done, lens,
+                          [s[d + 1:L + 1] for s, d, L in zip(seqs, done, lens)])
+    fixed_root = catch_up_fixed(embedded, fixed_store, streams, table, torch.tensor(lens),
+                                torch.tensor([s[L - C + 1:L + 1] for s, L in zip(seqs, lens)]))
+    for a, b in zip(eager_root, fixed_root):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    committed = torch.cat([runner.slots_of(r) for r in rids])
+    for a, b in zip(runner.mtp_store.rows(committed), fixed_store.rows(committed)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

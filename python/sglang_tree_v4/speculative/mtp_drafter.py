@@ -6,6 +6,7 @@ Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the c
 
 * ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
   the target's streams from their slots. Its last query is the root's draft: children logits and hidden.
+  ``catch_up_fixed`` does the same over the last C positions of every request, with shapes fixed by (B, C).
 * draft nodes of depth ``d >= 1`` run at ``L + d - 1``. Their MTP rows are scratch in the request's reserved slots
   past the verify block (``req_to_token[L + D : L + D + K * (S - 1)]``), never in a committed slot; a node reads the
   committed rows below ``L`` plus the rows of its own ancestors.
@@ -32,10 +33,32 @@ def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torc
     positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens)])
     next_ids = torch.cat([torch.tensor(t, device=device) for t in next_tokens])
     query_req = torch.arange(len(lens), device=device).repeat_interleave(counts)
+    return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, torch.cumsum(counts, 0) - 1)
+
+
+def catch_up_fixed(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor, lens: torch.Tensor,
+                   next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``catch_up`` with fixed shapes (no host sync): every request runs the last ``C`` positions
+    ``lens[b] - C .. lens[b] - 1`` with ``next_tokens [B, C]`` (the tokens one ahead, the bonus last).
+
+    Usable when every request needs at most C positions and has at least C: positions before its start are
+    recomputed, which rewrites the same rows (a position's MTP row depends on that position's token and target
+    stream alone). After one verify round the need is the accepted count, so ``C`` = the largest D fits."""
+    B, C = next_tokens.shape
+    device = req_table.device
+    positions = (lens.long()[:, None] - C + torch.arange(C, device=device)).flatten()
+    query_req = torch.arange(B, device=device).repeat_interleave(C)
+    last = torch.arange(B, device=device) * C + C - 1
+    return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_tokens.flatten(), last)
+
+
+def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids,
+              last) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MTP forward over committed positions (their target streams read from ``streams``); the ``last`` rows'
+    logits and hidden streams as the root drafts ``[B, 1, ...]``."""
     out_slots = req_table[query_req, positions]
     hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size
     h = streams[out_slots].view(-1, hc, hidden).to(model.embed.weight.dtype)
-    last = torch.cumsum(counts, 0) - 1
     batch = ForwardBatch(next_ids.long(), positions, out_slots, SlotTable.for_requests(req_table, query_req, positions))
     out = mtp_forward(model, batch, h, mtp_store, logits_rows=last)
     return out.logits[:, None], out.streams[last][:, None]

@@ -41,7 +41,7 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
-from .mtp_drafter import MTPTreeDrafter, catch_up
+from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -73,6 +73,7 @@ class TreeV4Worker(BaseSpecWorker):
                                  spec.speculative_num_steps)
         self.speculative_num_draft_tokens = self.budget.draft_tokens
         self.device = get_device().device
+        self.device_is_cuda = torch.device(self.device).type == "cuda"
         self.adapter = self.model_runner.model
         if not isinstance(self.adapter, TreeV4DeepseekV4ForCausalLM):
             raise ValueError(f"--speculative-algorithm TREE_V4 needs our DeepSeek-V4 model, got "
@@ -160,18 +161,25 @@ class TreeV4Worker(BaseSpecWorker):
         req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
         lens = batch.seq_lens.tolist()
         window = model.cfg.window
-        next_tokens, starts, roots = [], [], []
-        for req, L in zip(batch.reqs, lens):
+        starts = [max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0) for req, L in zip(batch.reqs, lens)]
+        # On a GPU the usual round (each request behind by at most the largest D) runs with fixed shapes; after a
+        # prefill or a run of steps without speculation, and on a CPU, only the missing positions run.
+        C = self.budget.draft_tokens
+        fixed = self.device_is_cuda and all(L - s <= C <= L for s, L in zip(starts, lens))
+        next_tokens, roots = [], []
+        for req, L, start in zip(batch.reqs, lens, starts):
             prompt, output = req.origin_input_ids, req.output_ids
             assert len(prompt) + len(output) == L + 1, (len(prompt), len(output), L)  # the bonus is not committed
-            start = max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0)
-            next_tokens.append(_tokens_between(prompt, output, start + 1, L + 1))
-            starts.append(start)
+            next_tokens.append(_tokens_between(prompt, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
             if req.kv.kv_allocated_len < L + D + K * (S - 1):
                 raise RuntimeError("TREE_V4: fewer reserved KV slots than the draft tree needs")
-        root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
+        if fixed:
+            root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
+                                        torch.tensor(next_tokens, device=self.device))
+        else:
+            root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
         prefix = batch.seq_lens.long()
         drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, D, K)
         return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
