@@ -72,13 +72,19 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc)
 
 
-def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int) -> StepCaps:
-    """Capacities of a verify forward. On a GPU the startup capacity (``req_to_token``'s width), so that one
-    captured step serves every context length; on a CPU, where nothing is captured and padding costs in proportion,
-    a power-of-two bucket of the longest context (reading CPU lengths drains nothing)."""
-    if seq_lens.is_cuda or seq_lens.numel() == 0:
+def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int, seq_lens_cpu: torch.Tensor | None = None) -> StepCaps:
+    """Capacities of a verify forward of ``n`` nodes per request over committed lengths ``seq_lens``.
+
+    While a CUDA graph is being captured: the startup capacity (``req_to_token``'s width), the only value that is
+    right for every later replay, whatever the contexts then. Otherwise (eager, on a GPU or a CPU) a power-of-two
+    bucket of the longest context: padding costs in proportion to its width, and the longest context is read from
+    host data (SGLang's ``seq_lens_cpu``, or lengths that live on the CPU anyway), so nothing is drained."""
+    if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
         return StepCaps(capacity)
-    return StepCaps.bucket(int(seq_lens.max()) + n, capacity)
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens
+    if lens.numel() == 0:
+        return StepCaps(capacity)
+    return StepCaps.bucket(int(lens.max()) + n, capacity)
 
 
 class TreeV4DeepseekV4ForCausalLM(nn.Module):
@@ -136,7 +142,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         if mode.is_target_verify():
             n = forward_batch.spec_info.draft_token_num
             table = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask, out_slots, n)
-            caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1])
+            caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1], forward_batch.seq_lens_cpu)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))
