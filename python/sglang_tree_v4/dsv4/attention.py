@@ -97,9 +97,6 @@ class Attention(nn.Module):
 def _entry_slots(fb: ForwardBatch, r: int) -> torch.Tensor:
     """[N, E] slots of entries e < (p+1)//r (position r*e + r - 1), -1 beyond each query's count."""
     counts = (fb.positions + 1) // r
-    if fb.caps is not None:
-        emax = fb.caps.entries(r)
-    else:
-        emax = int(counts.max()) if counts.numel() else 0
+    emax = fb.entry_width(r)
     e = torch.arange(emax, device=fb.positions.device).expand(len(counts), emax)
     return torch.where(e < counts[:, None], fb.table.lookup(e * r + r - 1), -1)

@@ -103,10 +103,7 @@ class Indexer(nn.Module):
         keys ``[N, C, ihd]`` and per-head scores ``[N, H, C]``) are bounded by the chunk, not by the context."""
         n = x.shape[0]
         n_vis = (fb.positions + 1) // 4
-        if fb.caps is not None:
-            emax = fb.caps.entries(4)
-        else:
-            emax = int(n_vis.max()) if n > 0 else 0
+        emax = fb.entry_width(4)
         if emax == 0:
             z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
             return z, z.bool()

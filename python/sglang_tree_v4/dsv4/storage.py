@@ -203,6 +203,13 @@ class ForwardBatch:
     caps: StepCaps | None = None
     memo_: dict = field(default_factory=dict, repr=False)
 
+    def entry_width(self, ratio: int) -> int:
+        """Width of the per-query lists of compressed entries of ratio ``ratio``: the capacity with fixed shapes,
+        otherwise the most entries any query of the batch can see (read back from the positions)."""
+        if self.caps is not None:
+            return self.caps.entries(ratio)
+        return int(((self.positions + 1) // ratio).max()) if self.positions.numel() else 0
+
     def memo(self, key: Any, fn: Callable[[], Any]) -> Any:
         """Per-forward cache for what every layer would recompute identically (rope tables, window and entry
         slot lists, block-closing queries)."""
