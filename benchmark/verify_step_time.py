@@ -68,10 +68,9 @@ def time_steps(variant: str, batch: int, D: int, reps: int) -> list[float]:
             for b, rid in enumerate(rids):
                 tv.commit(rid, verdict.accepted_nodes[b, :int(verdict.accept_lens[b])].tolist())
         else:
-            from sglang_tree_v4.dsv4.sglang_model import verify_caps
             from sglang_tree_v4.dsv4.storage import StepCaps
             from sglang_tree_v4.dsv4.verify_step import verify_step
-            caps = verify_caps(lens_t, D, 256) if variant == "after-bucket" else StepCaps(4096)
+            caps = StepCaps.bucket(int(lens_t.max()) + D, 256) if variant == "after-bucket" else StepCaps(4096)
             s = torch.stack(scratch)
             out = verify_step(model, runner.store, runner.req_table, torch.tensor(rids), lens_t, tree, s, s, caps)
             for b, rid in enumerate(rids):  # the runner's own bookkeeping (the step already moved rows and table)

@@ -1,7 +1,8 @@
 """TREE_V4 end to end on a real SGLang server (CPU): every output must equal non-speculative serving.
 
-Five servers share the module: no speculation (the ground truth), TREE_V4 with a real tree (K > 1), the matched
-chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adaptive budget picks the shape per step) and
+Five servers share the module: no speculation (the ground truth), TREE_V4 with a real tree (K > 1) served through
+the fixed-shape verify step a GPU runs (``SGLANG_TREE_V4_FIXED_SHAPES=1``; the others run the CPU's eager step), the
+matched chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adaptive budget picks the shape per step) and
 the adaptive budget forced to cycle through every shape of its menu, "no speculation" included (``cycle_shapes`` in
 ``support/mutations``), so that every switch between shapes is exercised. Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
 than 300 tokens so that HCA boundaries fall inside draft trees.
@@ -16,6 +17,7 @@ import pytest
 import requests
 
 from sglang_tree_v4 import launcher as srv, prompts
+from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
 from support import serving_checks as checks
 
 pytestmark = pytest.mark.server
@@ -42,7 +44,9 @@ def servers(model, tmp_path_factory):
     the cycling one, started once it is up, must read the cache instead."""
     logs = tmp_path_factory.mktemp("logs")
     cache = str(tmp_path_factory.mktemp("cache"))
-    started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log", env=srv.clean_env(XDG_CACHE_HOME=cache))
+    env = {name: srv.clean_env(XDG_CACHE_HOME=cache) for name in ("plain", "chain", "adaptive")}
+    env["tree"] = srv.clean_env(XDG_CACHE_HOME=cache, **{FIXED_SHAPES_ENV: "1"})  # the GPU's step, on the CPU
+    started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log", env=env[name])
                for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN), ("adaptive", ADAPTIVE))}
     try:
         srv.wait_healthy(started["adaptive"])
@@ -88,6 +92,13 @@ def test_greedy_equals_non_speculative(greedy_outputs, shape):
         assert len(a["output_ids"]) == NEW_TOKENS
         assert a["output_ids"] == b["output_ids"], f"request {i}"
     checks.assert_speculation_exercised(spec)
+
+
+def test_verify_step_kind_as_asked(servers):
+    """The tree server serves through the fixed-shape step (asked for by environment), the others eagerly."""
+    for name in SPECULATIVE:
+        kind = "fixed-shape" if name == "tree" else "eager"
+        assert f"{kind} verify step" in servers[name].log.read_text(), (name, servers[name].log_tail())
 
 
 def test_accept_length_reported(servers, greedy_outputs):

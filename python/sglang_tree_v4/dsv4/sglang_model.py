@@ -72,13 +72,33 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc)
 
 
-def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int, seq_lens_cpu: torch.Tensor | None = None) -> StepCaps:
-    """Capacities of a verify forward of ``n`` nodes per request over committed lengths ``seq_lens``.
+FIXED_SHAPES_ENV = "SGLANG_TREE_V4_FIXED_SHAPES"  # "1": fixed shapes on any device, "0": never; unset: on CUDA
+
+
+def fixed_shapes(device: torch.device | str) -> bool:
+    """Whether a verify step runs with fixed shapes (``StepCaps``, fixed-shape acceptance and MTP catch-up).
+
+    On a GPU yes: a host read drains the device, and only fixed shapes can be captured. On a CPU nothing drains, and
+    the eager step is cheaper (a query pools a compressed entry only where it closes a block, lists are as wide as
+    the batch needs), so it is used there unless ``SGLANG_TREE_V4_FIXED_SHAPES=1`` asks for the GPU's path (tests
+    serve through it on the CPU)."""
+    forced = os.environ.get(FIXED_SHAPES_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return torch.device(device).type == "cuda"
+
+
+def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int, seq_lens_cpu: torch.Tensor | None = None
+                ) -> StepCaps | None:
+    """Capacities of a verify forward of ``n`` nodes per request over committed lengths ``seq_lens``; None (the
+    eager forward) where ``fixed_shapes`` says no.
 
     While a CUDA graph is being captured: the startup capacity (``req_to_token``'s width), the only value that is
-    right for every later replay, whatever the contexts then. Otherwise (eager, on a GPU or a CPU) a power-of-two
-    bucket of the longest context: padding costs in proportion to its width, and the longest context is read from
-    host data (SGLang's ``seq_lens_cpu``, or lengths that live on the CPU anyway), so nothing is drained."""
+    right for every later replay, whatever the contexts then. Otherwise a power-of-two bucket of the longest
+    context: padding costs in proportion to its width, and the longest context is read from host data (SGLang's
+    ``seq_lens_cpu``, or lengths that live on the CPU anyway), so nothing is drained."""
+    if not fixed_shapes(seq_lens.device):
+        return None
     if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
         return StepCaps(capacity)
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens

@@ -5,8 +5,9 @@ stores, never SGLang's pool): the MTP draft (catch-up + ``build_draft_tree`` ove
 target's tree-verify forward (for several numbers of verified tokens), at batch sizes 1 .. max running requests.
 The state is zeros, which costs the same as real state. The result seeds ``adaptive_budget.StepTimes``; online
 timings refine it. It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME``
-honoured), keyed by the checkpoint (path and config), the device, the TP size, the dtype and the shape limits, and
-read back on the next start instead of measuring again.
+honoured), keyed by the checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the
+kind of verify step (eager or fixed-shape, which cost differently), and read back on the next start instead of
+measuring again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 
 from ..dsv4.mtp import new_mtp_store
-from ..dsv4.sglang_model import verify_caps, verify_table
+from ..dsv4.sglang_model import fixed_shapes, verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes
@@ -38,7 +39,9 @@ def cache_path(model_path: str, device: torch.device, tp: int, dtype: torch.dtyp
         config = ""
     name = (torch.cuda.get_device_name(device) if device.type == "cuda" else
             f"cpu{os.cpu_count()}x{torch.get_num_threads()}")
-    key = json.dumps([os.path.realpath(model_path), config, name, tp, str(dtype), list(limits), torch.__version__])
+    step = "fixed" if fixed_shapes(device) else "eager"
+    key = json.dumps([os.path.realpath(model_path), config, name, tp, str(dtype), list(limits), step,
+                      torch.__version__])
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "sglang-tree-v4", "step_times", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 

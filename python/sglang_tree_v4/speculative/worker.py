@@ -37,7 +37,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
-from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM
+from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
@@ -73,7 +73,7 @@ class TreeV4Worker(BaseSpecWorker):
                                  spec.speculative_num_steps)
         self.speculative_num_draft_tokens = self.budget.draft_tokens
         self.device = get_device().device
-        self.device_is_cuda = torch.device(self.device).type == "cuda"
+        self.fixed_shapes = fixed_shapes(self.device)  # the GPU's step (no host reads, capturable)
         self.adapter = self.model_runner.model
         if not isinstance(self.adapter, TreeV4DeepseekV4ForCausalLM):
             raise ValueError(f"--speculative-algorithm TREE_V4 needs our DeepSeek-V4 model, got "
@@ -89,8 +89,9 @@ class TreeV4Worker(BaseSpecWorker):
         self.shape_counts: dict[str, int] = {}
         self._last_round_end: tuple[float, int] | None = None
         ACTIVE[:] = [self]
-        logger.info("TREE_V4 worker: D=%d K=%d S=%d%s, draft score temperature %.3g", *vars(self.budget).values(),
-                    " (the largest shape of the adaptive budget)" if self.policy else "", self.score_temperature)
+        logger.info("TREE_V4 worker: D=%d K=%d S=%d%s, draft score temperature %.3g, %s verify step",
+                    *vars(self.budget).values(), " (the largest shape of the adaptive budget)" if self.policy else "",
+                    self.score_temperature, "fixed-shape" if self.fixed_shapes else "eager")
 
     def _adaptive_policy(self) -> AdaptivePolicy:
         """The step-time model from the cache file, or measured now on every rank (the forwards use the TP group);
@@ -162,10 +163,11 @@ class TreeV4Worker(BaseSpecWorker):
         lens = batch.seq_lens.tolist()
         window = model.cfg.window
         starts = [max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0) for req, L in zip(batch.reqs, lens)]
-        # On a GPU the usual round (each request behind by at most the largest D) runs with fixed shapes; after a
-        # prefill or a run of steps without speculation, and on a CPU, only the missing positions run.
+        # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
+        # last D positions; after a prefill or a run of steps without speculation, and on a CPU, only the missing
+        # positions run.
         C = self.budget.draft_tokens
-        fixed = self.device_is_cuda and all(L - s <= C <= L for s, L in zip(starts, lens))
+        fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
         for req, L, start in zip(batch.reqs, lens, starts):
             prompt, output = req.origin_input_ids, req.output_ids
@@ -210,7 +212,7 @@ class TreeV4Worker(BaseSpecWorker):
         params = SamplingParams(temperatures=info.temperatures.flatten().float(), top_ks=info.top_ks.long(),
                                 top_ps=info.top_ps.float(), min_ps=info.min_ps.float())
         return verify_sampling(tree, logits, params, coins=self._coins(batch, tree.tokens.shape[1]),
-                               fixed_shapes=logits.is_cuda)  # no host sync where a GPU would drain
+                               fixed_shapes=self.fixed_shapes)
 
     def _coins(self, batch, width: int) -> VerifyCoins:
         """Random numbers of this verify step. Where SGLang honours per-request seeds (deterministic inference,
