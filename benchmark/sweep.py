@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per point (default max(bs, min))")
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure each point this many times (in turn across the servers); the median run is kept")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
     ap.add_argument("--device", default=None, help="launch_server --device (default: cuda if present, else cpu)")
@@ -99,6 +101,32 @@ def server_groups(configs: list[tuple], max_servers: int) -> list[list[tuple]]:
     return groups
 
 
+def _measure_point(server, texts, bs, sampling) -> dict:
+    before = bench_server.shape_steps(server)
+    m = bench_server.measure(server, texts, bs, sampling)
+    after = bench_server.shape_steps(server)
+    if after:  # TREE_V4's steps per tree shape during this point ("none": no speculation)
+        m["shape_steps"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0) > 0}
+    return m
+
+
+def _median_run(ms: list[dict]) -> dict:
+    """With ``--repeats`` > 1: the run of median throughput (its metrics, so they stay consistent with each other),
+    every run's throughput, and the adaptive server's steps per shape summed over the runs."""
+    if len(ms) == 1:
+        return ms[0]
+    m = dict(sorted(ms, key=lambda r: r["output_throughput"])[len(ms) // 2])
+    m["repeats"] = len(ms)
+    m["output_throughput_runs"] = [round(r["output_throughput"], 2) for r in ms]
+    if any("shape_steps" in r for r in ms):
+        total: dict[str, int] = {}
+        for r in ms:
+            for k, v in r.get("shape_steps", {}).items():
+                total[k] = total.get(k, 0) + v
+        m["shape_steps"] = total
+    return m
+
+
 def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: Path, out, bar) -> int:
     """Start the group's servers together, then measure each point on each server in turn, so that the shapes
     compared at a point see the same background load (the machine may be shared). -> failed configurations."""
@@ -124,23 +152,21 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
                 bar.update(sum(1 for c, _, _ in points if c == cfg))
         for ds in args.datasets:
             for bs in args.batch_sizes:
-                for cfg, server in list(servers.items()):
-                    if (cfg, ds, bs) not in points:
-                        continue
+                runs: dict[tuple, list[dict]] = {cfg: [] for cfg in servers if (cfg, ds, bs) in points}
+                for _ in range(args.repeats):  # in turn, so every shape sees each stretch of background load
+                    for cfg in list(runs):
+                        shape, budget, topk, steps = cfg
+                        bar.set_postfix_str(f"{shape} D={budget} K={topk} S={steps} {ds} bs={bs}")
+                        try:
+                            runs[cfg].append(_measure_point(servers[cfg], texts[ds][:n_for[bs]], bs, sampling))
+                        except Exception as e:  # noqa: BLE001
+                            failures += 1
+                            tqdm.write(f"FAILED {cfg} {ds} bs={bs}: {e!r} (log: {servers[cfg].log})")
+                            bar.update(1)
+                            runs.pop(cfg)
+                for cfg, ms in runs.items():
                     shape, budget, topk, steps = cfg
-                    bar.set_postfix_str(f"{shape} D={budget} K={topk} S={steps} {ds} bs={bs}")
-                    try:
-                        before = bench_server.shape_steps(server)
-                        m = bench_server.measure(server, texts[ds][:n_for[bs]], bs, sampling)
-                        after = bench_server.shape_steps(server)
-                        if after:  # TREE_V4's steps per tree shape during this point ("none": no speculation)
-                            m["shape_steps"] = {k: v - before.get(k, 0) for k, v in after.items()
-                                                if v - before.get(k, 0) > 0}
-                    except Exception as e:  # noqa: BLE001
-                        failures += 1
-                        tqdm.write(f"FAILED {cfg} {ds} bs={bs}: {e!r} (log: {server.log})")
-                        bar.update(1)
-                        continue
+                    m = _median_run(ms)
                     rec = {"dataset": ds, "budget": budget, "batch_size": bs, "shape": shape, "topk": topk,
                            "num_steps": steps, **m, **provenance, "timestamp": time.time()}
                     out.write(json.dumps(rec) + "\n")

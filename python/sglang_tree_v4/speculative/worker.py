@@ -139,6 +139,7 @@ class TreeV4Worker(BaseSpecWorker):
     def _prefill_round(self, batch, on_publish, pp_proxy_tensors):
         for req in batch.reqs:  # slots may be new (retraction, radix hit): MTP rows are rebuilt next round
             setattr(req, MTP_LEN_ATTR, 0)
+        self._last_round_end = None  # the next decode round's time must not include this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         bs, D = len(batch.reqs), self.budget.draft_tokens
         accept_tokens = torch.zeros(bs, D, dtype=torch.int32, device=self.device)
