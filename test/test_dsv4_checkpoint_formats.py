@@ -193,6 +193,30 @@ def test_footprint_of_the_published_v4_flash_config():
     assert last["param_bytes_per_rank"] == reports[8]["param_bytes_per_rank"] and last["tp_rank"] == 7
 
 
+def test_footprint_state_of_the_published_v4_flash_config():
+    """The state part of the report at V4-Flash shapes, bf16: SGLang's own pool as the server builds it holds
+    45 pool layers (43 + streams + MTP) x (16,384 widest row + 1 V column) x 2 bytes per token, the split by
+    kind adds up to it (row padding is most of it), and upstream's fp8 layout needs about 3.85 KB per token.
+    The gap is the lean-state work (issue 15); ``--kv-cache-dtype fp8_e4m3`` is refused, naming the flag."""
+    from pathlib import Path
+    config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
+    r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
+    assert r["state_bytes_per_token"] == 45 * (16384 + 1) * 2
+    slots = r["state_tokens"] + r["state_requests"] * r["draft_tree_slots_per_request"]
+    kinds = r["state_bytes_by_kind"]
+    assert sum(v for k, v in kinds.items() if k != "req_to_token") == r["state_bytes_per_token"] * slots
+    assert kinds["row_padding"] > 0.8 * r["state_bytes_per_token"] * slots
+    assert r["draft_tree_slots_per_request"] == 8 + 3 * 3  # the default D=8 K=3 S=4 tree's reservation
+    assert r["state_bytes_per_request"] == 17 * r["state_bytes_per_token"] + 131072 * 4
+    assert r["state_bytes"] == 1_000_000 * r["state_bytes_per_token"] + 64 * r["state_bytes_per_request"]
+    assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
+    import subprocess
+    import sys
+    bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
+                          "--kv-cache-dtype", "fp8_e4m3"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--kv-cache-dtype fp8_e4m3" in bad.stderr, bad.stderr[-500:]
+
+
 def test_footprint_names_a_tp_that_does_not_divide():
     import subprocess
     import sys

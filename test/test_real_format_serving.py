@@ -105,6 +105,13 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
                            capture_output=True, text=True, timeout=300, env=launcher.clean_env())
     dense_bytes = json.loads(dense.stdout.strip().splitlines()[-1])["param_bytes_per_rank"]
     assert tp1["param_bytes_per_rank"] < 0.6 * dense_bytes, (tp1, dense_bytes)
+    # The state: SGLang logs the pool it allocated (GiB, two decimals); the report's bytes per token predict it.
+    alloc = re.search(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB",
+                      servers["published"].log.read_text())
+    assert alloc, servers["published"].log_tail()
+    tokens, k_gib, v_gib = int(alloc[1]), float(alloc[2]), float(alloc[3])
+    state = footprint("--tokens", str(tokens + 1))["state_bytes_per_token"]  # + 1: SGLang's padding slot
+    assert abs((tokens + 1) * state / 2**30 - (k_gib + v_gib)) <= 0.011, (state, tokens, k_gib, v_gib)
 
 
 def test_tp2_tree_equals_tp1_tree(servers, prompt_ids):

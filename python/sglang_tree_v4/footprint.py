@@ -1,12 +1,17 @@
-"""Footprint report: the parameter bytes our DeepSeek-V4 holds per rank, measured on the meta device.
+"""Footprint report: the parameter bytes our DeepSeek-V4 holds per rank, measured on the meta device, and with
+``--tokens`` the attention state the server holds for T tokens and R running requests.
 
     python -m sglang_tree_v4.footprint PATH_OR_CONFIG_JSON [--tp N] [--tp-rank R] [--dtype bfloat16]
+        [--tokens T --requests R --kv-cache-dtype auto --speculative-num-draft-tokens D ... --context-length C]
 
 It builds the very model the server builds (``dsv4.quantize.build_model``: the checkpoint's quantization swapped
 in, then ``dsv4.tp.shard_model``: rank R's share of SGLang's parallel layers for ``--tp N``) on the meta device,
 which costs no memory, and sums its tensors; nothing here is a formula. No process group is needed: SGLang's
 layers are built under a parallel-context override naming the rank and size. The last line of output is one JSON
-object: ``param_bytes_per_rank``, ``param_bytes_by_dtype``, ``construct_s`` and the inputs.
+object: ``param_bytes_per_rank``, ``param_bytes_by_dtype``, ``construct_s`` and the inputs; with ``--tokens``
+also ``state_bytes_per_token`` (the slope), ``state_bytes_per_request`` (the intercept: draft-tree slots and the
+``req_to_token`` row), ``state_bytes_by_kind`` and upstream's fp8 figures beside them (``state_footprint``). The
+state is per rank and the same on every rank: the per-slot rows are not split by tensor parallelism.
 """
 
 from __future__ import annotations
@@ -48,16 +53,49 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp-rank", type=int, default=0, help="which rank's share to report")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                     help="dtype of the dense (not quantized) weights, as --dtype of the server")
+    state = ap.add_argument_group("attention state (with --tokens)")
+    state.add_argument("--tokens", type=int, default=None, help="tokens held (committed and cached)")
+    state.add_argument("--requests", type=int, default=0, help="running requests")
+    state.add_argument("--kv-cache-dtype", default="auto", help="as the server's flag (auto: the --dtype)")
+    state.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    state.add_argument("--speculative-eagle-topk", type=int, default=None)
+    state.add_argument("--speculative-num-steps", type=int, default=None)
+    state.add_argument("--context-length", type=int, default=None, help="default: the config's max positions")
     args = ap.parse_args(argv)
     if args.tp < 1:
         ap.error("--tp must be >= 1")
     if not 0 <= args.tp_rank < args.tp:
         ap.error("--tp-rank must be in [0, --tp)")
+    if args.tokens is not None and (args.tokens < 0 or args.requests < 0):
+        ap.error("--tokens and --requests must be >= 0")
+    from .state_footprint import KV_CACHE_DTYPES
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        ap.error(f"--kv-cache-dtype {args.kv_cache_dtype}: the per-slot state layout holds compressor rows and "
+                 f"entries in the pool's dtype; one of {sorted(KV_CACHE_DTYPES)} (fp8 entries need separate "
+                 f"entry pools, not built yet)")
     from .dsv4.config import ConfigError
     try:
-        print(json.dumps(report(args.path, args.tp, args.dtype, args.tp_rank)))
-    except ConfigError as e:
+        out = report(args.path, args.tp, args.dtype, args.tp_rank)
+        if args.tokens is not None:
+            out.update(_state(args))
+        print(json.dumps(out))
+    except (ConfigError, ValueError) as e:
         ap.error(str(e))
+
+
+def _state(args) -> dict:
+    from .dsv4.config import DSV4Config
+    from .speculative.server_args import validate_budget
+    from .state_footprint import KV_CACHE_DTYPES, state_report
+
+    file = os.path.join(args.path, "config.json") if os.path.isdir(args.path) else args.path
+    with open(file) as f:
+        cfg = DSV4Config.from_dict(json.load(f))
+    budget = validate_budget(args.speculative_num_draft_tokens, args.speculative_eagle_topk,
+                             args.speculative_num_steps)
+    dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or DTYPES[args.dtype]
+    return state_report(cfg, args.tokens, args.requests, budget.draft_tokens, budget.topk, budget.steps,
+                        args.context_length or cfg.max_position_embeddings, dtype)
 
 
 if __name__ == "__main__":
