@@ -84,18 +84,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _state(args) -> dict:
-    from .dsv4.config import DSV4Config
     from .speculative.server_args import validate_budget
     from .state_footprint import KV_CACHE_DTYPES, state_report
 
     file = os.path.join(args.path, "config.json") if os.path.isdir(args.path) else args.path
     with open(file) as f:
-        cfg = DSV4Config.from_dict(json.load(f))
+        raw = json.load(f)
     budget = validate_budget(args.speculative_num_draft_tokens, args.speculative_eagle_topk,
                              args.speculative_num_steps)
     dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or DTYPES[args.dtype]
-    return state_report(cfg, args.tokens, args.requests, budget.draft_tokens, budget.topk, budget.steps,
-                        args.context_length or cfg.max_position_embeddings, dtype)
+    return state_report(raw, args.tokens, args.requests, budget.draft_tokens, budget.topk, budget.steps,
+                        args.context_length, dtype)
 
 
 if __name__ == "__main__":

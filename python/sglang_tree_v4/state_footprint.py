@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_model import pool_layers, pool_row_width
 from .dsv4.storage import model_layouts, mtp_layouts
+from .speculative.mtp_drafter import round_slots
+from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "entry": "compressed_entries",
@@ -30,22 +31,25 @@ KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compress
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 
 
-def measured_bytes_per_slot(cfg: DSV4Config, dtype: torch.dtype) -> int:
-    """Bytes per token slot of SGLang's pool as the server builds it (K rows of the common width, V of width 1),
-    from two real allocations."""
+def measured_bytes_per_slot(pool_config, dtype: torch.dtype) -> int:
+    """Bytes per token slot of SGLang's pool built from ``pool_config`` (what our model override hands SGLang: its
+    layer count, KV heads, K and V widths), from two real allocations."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     def total(slots: int) -> int:
-        pool = MHATokenToKVPool(size=slots, page_size=1, dtype=dtype, head_num=1, head_dim=pool_row_width(cfg),
-                                layer_num=pool_layers(cfg), device="cpu", enable_memory_saver=False, v_head_dim=1)
+        pool = MHATokenToKVPool(size=slots, page_size=1, dtype=dtype, head_num=pool_config.num_key_value_heads,
+                                head_dim=pool_config.head_dim, layer_num=pool_config.num_hidden_layers, device="cpu",
+                                enable_memory_saver=False, v_head_dim=pool_config.v_head_dim)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
 
     return (total(16) - total(8)) // 8
 
 
-def bytes_per_slot_by_kind(cfg: DSV4Config, dtype: torch.dtype) -> dict[str, int]:
-    """One slot's bytes split by what they hold (pool layer order: target layers, the streams layer, MTP layers)."""
-    width, size = pool_row_width(cfg) + 1, torch.empty((), dtype=dtype).element_size()  # + 1: the V column
+def bytes_per_slot_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, int]:
+    """One slot's bytes split by what they hold (pool layer order: target layers, the streams layer, MTP layers);
+    whatever of a layer's K and V row no piece uses is ``row_padding``."""
+    width = pool_config.num_key_value_heads * (pool_config.head_dim + pool_config.v_head_dim)
+    size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, int] = {}
 
     def add(kind: str, cols: int) -> None:
@@ -78,13 +82,16 @@ def upstream_estimate(cfg: DSV4Config, draft_tokens: int) -> dict[str, float]:
     return {"state_bytes_per_token": per_token, "state_bytes_per_request": swa_rows + c4 + c128}
 
 
-def state_report(cfg: DSV4Config, tokens: int, requests: int, draft_tokens: int, topk: int, steps: int,
-                 context_len: int, dtype: torch.dtype) -> dict:
-    slope = measured_bytes_per_slot(cfg, dtype)
-    kinds = bytes_per_slot_by_kind(cfg, dtype)
+def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk: int, steps: int,
+                 context_len: int | None, dtype: torch.dtype) -> dict:
+    """``raw``: the checkpoint's config.json; ``context_len`` None: the config's max positions."""
+    cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw)
+    context_len = context_len or cfg.max_position_embeddings
+    slope = measured_bytes_per_slot(pool_config, dtype)
+    kinds = bytes_per_slot_by_kind(cfg, pool_config, dtype)
     if sum(kinds.values()) != slope:
         raise AssertionError(f"the split by kind ({sum(kinds.values())} B) is not the pool's slot ({slope} B)")
-    scratch_slots = draft_tokens + topk * (steps - 1)
+    scratch_slots = round_slots(draft_tokens, topk, steps)
     per_request = scratch_slots * slope + context_len * 4
     slots = tokens + requests * scratch_slots
     by_kind = {k: v * slots for k, v in kinds.items()}

@@ -225,6 +225,6 @@ class AdaptivePolicy:
         speculative shape has an observed time here and the baseline has none, or it is ``EXPLORE_SHARE`` steps
         old."""
         observed = self.times.observed
-        if not any(key[0] == batch and key[1:] != NO_SPECULATION for key in observed):
-            return False
-        return (batch, *NO_SPECULATION) not in observed or self.since_baseline >= EXPLORE_SHARE
+        if (batch, *NO_SPECULATION) in observed and self.since_baseline < EXPLORE_SHARE:
+            return False  # the usual case, without scanning the observations
+        return any(key[0] == batch and key[1:] != NO_SPECULATION for key in observed)

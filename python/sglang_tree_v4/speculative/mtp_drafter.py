@@ -21,6 +21,12 @@ from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
 from ..tree import DraftStep
 
 
+def round_slots(draft_tokens: int, topk: int, steps: int) -> int:
+    """Slots a request needs past its committed length for one round: the verify block (D nodes) and the draft
+    nodes' MTP scratch (``K * (S - 1)``, see module doc)."""
+    return draft_tokens + topk * (steps - 1)
+
+
 def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor,
              starts: list[int], lens: list[int], next_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """MTP rows for positions ``[starts[b], lens[b])`` of every request; returns the root draft.

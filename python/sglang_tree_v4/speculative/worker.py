@@ -41,7 +41,7 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
-from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
+from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed, round_slots
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -176,7 +176,7 @@ class TreeV4Worker(BaseSpecWorker):
             next_tokens.append(_tokens_between(prompt, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
-            if req.kv.kv_allocated_len < L + D + K * (S - 1):
+            if req.kv.kv_allocated_len < L + round_slots(D, K, S):
                 raise RuntimeError("TREE_V4: fewer reserved KV slots than the draft tree needs")
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
