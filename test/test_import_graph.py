@@ -2,8 +2,8 @@
 ones inside functions): no cycle, and the dependency direction of the design holds:
 ``tree/`` <- ``dsv4/`` <- ``speculative/`` <- ``plugin.py`` (``cpu/``, the platform support, reads V4 configs
 through ``dsv4.config`` and is asked by ``speculative/`` whether the machine is CPU-only), with the math in
-``tree/`` and ``dsv4/`` free of sglang (only ``dsv4/sglang_model.py``, the adapter, and ``dsv4/tp.py``, the swap
-to SGLang's parallel layers, may import it)."""
+``tree/`` and ``dsv4/`` free of sglang (only ``dsv4/sglang_model.py``, the adapter, ``dsv4/sglang_pool.py``, its
+KV pool, and ``dsv4/tp.py``, the swap to SGLang's parallel layers, may import it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ ALLOWED = {
     "cpu": {"dsv4"},
     "plugin": {"cpu", "speculative"},
 }
-SGLANG_ADAPTERS = {f"{PACKAGE}.dsv4.sglang_model", f"{PACKAGE}.dsv4.tp"}
+SGLANG_ADAPTERS = {f"{PACKAGE}.dsv4.sglang_model", f"{PACKAGE}.dsv4.sglang_pool", f"{PACKAGE}.dsv4.tp"}
 
 
 def _module_name(path: Path) -> str:

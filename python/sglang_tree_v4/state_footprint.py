@@ -1,10 +1,11 @@
 """The attention state our server holds per token and per running request, and what upstream SGLang would hold.
 
-Why: the per-slot layout (``dsv4.storage``) gives every token one row per pool layer, as wide as the widest piece
-any layer needs; at V4-Flash shapes that is the state that decides how many tokens a GPU can serve. This module
-measures it the way the server allocates it -- SGLang's own ``MHATokenToKVPool`` built with the widths our model
-override hands SGLang (``sglang_config``), at two small sizes, so the slope is the pool's real bytes per slot and
-not a formula -- and splits the slot into kinds from our row layout (the split must add up to the measured slope).
+Why: the per-slot layout (``dsv4.storage``) gives every token one row per pool layer (each layer as wide as its own
+pieces, ``dsv4.sglang_pool``); at V4-Flash shapes that is the state that decides how many tokens a GPU can serve.
+This module measures it the way the server allocates it -- the pool class the server builds, with the arguments
+SGLang derives from the config our model override hands it (``sglang_config``), at two small sizes, so the slope
+is the pool's real bytes per slot and not a formula -- and splits the slot into kinds from our row layout (the
+split must add up to the measured slope).
 
 Per running request the server also holds the draft-tree slots the worker reserves beyond the committed length
 (``D + K (S - 1)``: the largest tree's nodes and the draft's scratch) and one ``req_to_token`` row (int32 per
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
+from .dsv4.sglang_pool import pool_layer_widths, state_pool_class
 from .dsv4.storage import model_layouts, mtp_layouts
 from .speculative.mtp_drafter import round_slots
 from .speculative.model_override import sglang_config
@@ -31,15 +33,15 @@ KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compress
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
 
 
-def measured_bytes_per_slot(pool_config, dtype: torch.dtype) -> int:
-    """Bytes per token slot of SGLang's pool built from ``pool_config`` (what our model override hands SGLang: its
-    layer count, KV heads, K and V widths), from two real allocations."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+def measured_bytes_per_slot(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> int:
+    """Bytes per token slot of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes
+    from ``pool_config``, what our model override hands it), from two real allocations."""
+    pool_class = state_pool_class(pool_layer_widths(cfg))
 
     def total(slots: int) -> int:
-        pool = MHATokenToKVPool(size=slots, page_size=1, dtype=dtype, head_num=pool_config.num_key_value_heads,
-                                head_dim=pool_config.head_dim, layer_num=pool_config.num_hidden_layers, device="cpu",
-                                enable_memory_saver=False, v_head_dim=pool_config.v_head_dim)
+        pool = pool_class(size=slots, page_size=1, dtype=dtype, head_num=pool_config.num_key_value_heads,
+                          head_dim=pool_config.head_dim, layer_num=pool_config.num_hidden_layers, device="cpu",
+                          enable_memory_saver=False, v_head_dim=pool_config.v_head_dim)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
 
     return (total(16) - total(8)) // 8
@@ -47,8 +49,7 @@ def measured_bytes_per_slot(pool_config, dtype: torch.dtype) -> int:
 
 def bytes_per_slot_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, int]:
     """One slot's bytes split by what they hold (pool layer order: target layers, the streams layer, MTP layers);
-    whatever of a layer's K and V row no piece uses is ``row_padding``."""
-    width = pool_config.num_key_value_heads * (pool_config.head_dim + pool_config.v_head_dim)
+    ``v_column`` is the one-column V buffer SGLang allocates per layer and nothing uses."""
     size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, int] = {}
 
@@ -58,13 +59,10 @@ def bytes_per_slot_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> 
     for layout in model_layouts(cfg):
         for piece, (_, w) in layout.pieces.items():
             add(KIND_OF_PIECE[piece], w)
-        add("row_padding", width - layout.width)
-    streams = cfg.hc_mult * cfg.hidden_size
-    add("mtp_input_streams", streams)
-    add("row_padding", width - streams)
+    add("mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
     for layout in mtp_layouts(cfg):
         add("mtp_window_kv", layout.pieces["k"][1])
-        add("row_padding", width - layout.width)
+    add("v_column", pool_config.num_hidden_layers * pool_config.num_key_value_heads * pool_config.v_head_dim)
     return kinds
 
 
@@ -87,7 +85,7 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     """``raw``: the checkpoint's config.json; ``context_len`` None: the config's max positions."""
     cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw)
     context_len = context_len or cfg.max_position_embeddings
-    slope = measured_bytes_per_slot(pool_config, dtype)
+    slope = measured_bytes_per_slot(cfg, pool_config, dtype)
     kinds = bytes_per_slot_by_kind(cfg, pool_config, dtype)
     if sum(kinds.values()) != slope:
         raise AssertionError(f"the split by kind ({sum(kinds.values())} B) is not the pool's slot ({slope} B)")

@@ -1,12 +1,11 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
-SGLang sees an ordinary model with one KV "head" per layer whose width is the widest per-slot row we need, and
-``num_layers + 2`` layers: the K buffer of layer ``i < num_layers`` holds target layer ``i``'s row (window key,
-compressor rows, entries; see ``storage``), layer ``num_layers`` holds the last block's streams before the HC head
-(the MTP's hidden input, needed again when the MTP catches up), and layer ``num_layers + 1`` holds the MTP layer's
-row. Everything per token therefore lives in SGLang's own per-slot KV buffers, so the radix cache and the
-accepted-token move (``move_kv_cache``) carry all of it. (One width for every layer wastes memory at V4-Flash scale;
-a leaner pool is a later, measured step.)
+SGLang sees an ordinary model with one KV "head" per layer and ``num_layers + 2`` layers: the K buffer of layer
+``i < num_layers`` holds target layer ``i``'s row (window key, compressor rows, entries; see ``storage``), layer
+``num_layers`` holds the last block's streams before the HC head (the MTP's hidden input, needed again when the MTP
+catches up), and layer ``num_layers + 1`` holds the MTP layer's row. Each layer's buffer is as wide as its own row
+(``sglang_pool``). Everything per token therefore lives in SGLang's own per-slot KV buffers, so the radix cache and
+the accepted-token move (``move_kv_cache``) carry all of it.
 
 The forward maps SGLang's batch onto our slot tables: extend / decode queries read their request's ``req_to_token``
 row; target-verify queries (draft-tree nodes) read the committed row below the committed length and their own
@@ -27,6 +26,7 @@ from torch import nn
 from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
+from .sglang_pool import pool_layer_widths
 from .storage import SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
 from .weights import StreamingLoader, iter_safetensors
 
@@ -34,16 +34,6 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "TreeV4DSV4ForCausalLM"  # no "DeepseekV4" substring: SGLang keys V4 special cases on it
 RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
-
-
-def pool_row_width(cfg: DSV4Config) -> int:
-    """Width of the single per-slot row every pool layer gets."""
-    widths = [lay.width for lay in model_layouts(cfg) + mtp_layouts(cfg)]
-    return max(widths + [cfg.hc_mult * cfg.hidden_size])
-
-
-def pool_layers(cfg: DSV4Config) -> int:
-    return cfg.num_layers + 2
 
 
 def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:
@@ -135,7 +125,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
 
             pool = get_token_to_kv_pool()
             n = self.cfg.num_layers
-            rows = [pool.get_key_buffer(i).flatten(1) for i in range(pool_layers(self.cfg))]
+            rows = [pool.get_key_buffer(i).flatten(1) for i in range(len(pool_layer_widths(self.cfg)))]
             num_slots = rows[0].shape[0]
             target = SlotStore(model_layouts(self.cfg), num_slots,
                                buffers=[rows[i][:, :lay.width] for i, lay in enumerate(model_layouts(self.cfg))])

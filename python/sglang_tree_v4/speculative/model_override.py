@@ -1,9 +1,10 @@
 """Make SGLang build our DeepSeek-V4 for V4 checkpoints (on a CPU always; on a GPU when TREE_V4 is selected).
 
-Two hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
-architecture and describes the KV pool our model wants (one head per layer, one row width, two extra layers; see
-``dsv4.sglang_model``), with the checkpoint's own config kept for our model; and our class is put in SGLang's
-model registry under that name. With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
+Three hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
+architecture and sizes the KV pool our model wants (one head per layer, two extra layers; see
+``dsv4.sglang_model``), with the checkpoint's own config kept for our model; our class is put in SGLang's model
+registry under that name; and where SGLang picks its KV pool class it gets ours, whose layers each have their own
+width (``dsv4.sglang_pool``). With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
 (its CUDA-only pool, backend and the topk == 1 assertion) fire.
 """
 
@@ -18,6 +19,7 @@ logger = logging.getLogger(__name__)
 PARSE_TARGET = "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.parse"
 ARCH_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
 CHAT_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
+POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
 OWN_MODEL_ENV = "SGLANG_TREE_V4_OWN_MODEL"
 
 
@@ -33,14 +35,16 @@ def sglang_config(raw: dict):
     from transformers import PretrainedConfig
 
     from ..dsv4.config import DSV4Config
-    from ..dsv4.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR, pool_layers, pool_row_width
+    from ..dsv4.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
+    from ..dsv4.sglang_pool import V_COLUMNS, pool_head_dim, pool_layer_widths
 
     cfg = DSV4Config.from_dict(raw)
-    width = pool_row_width(cfg)
+    widths = pool_layer_widths(cfg)
     config = PretrainedConfig(
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_hidden_layers=pool_layers(cfg), num_attention_heads=cfg.num_heads, num_key_value_heads=1, head_dim=width,
-        v_head_dim=1, max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
+        num_hidden_layers=len(widths), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
+        head_dim=pool_head_dim(widths), v_head_dim=V_COLUMNS,
+        max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         tie_word_embeddings=False, torch_dtype=raw.get("torch_dtype", "float32"))
     setattr(config, RAW_CONFIG_ATTR, raw)
@@ -82,9 +86,23 @@ def chat_encoding(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+def state_pool(original, configurator, *args, **kwargs):
+    """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pool, the pool
+    whose layers each have their own width."""
+    from ..dsv4.config import DSV4Config
+    from ..dsv4.sglang_model import RAW_CONFIG_ATTR
+    from ..dsv4.sglang_pool import pool_layer_widths, state_pool_class
+
+    raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
+    if raw is None or kwargs.get("kind") != "mha":
+        return original(configurator, *args, **kwargs)
+    return state_pool_class(pool_layer_widths(DSV4Config.from_dict(raw)))
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(PARSE_TARGET, around_parse, HookType.AROUND)
     HookRegistry.register(ARCH_TARGET, before_get_architecture, HookType.BEFORE)
     HookRegistry.register(CHAT_TARGET, chat_encoding, HookType.AROUND)
+    HookRegistry.register(POOL_TARGET, state_pool, HookType.AROUND)
