@@ -194,24 +194,27 @@ def test_footprint_of_the_published_v4_flash_config():
 
 
 def test_footprint_state_of_the_published_v4_flash_config():
-    """The state part of the report at V4-Flash shapes, bf16: the pool the server builds holds each of its 45 layers
-    at its own width -- 2 sliding layers (key, 512), 21 CSA (key 512, compressor rows 2 x 1024 + indexer rows
-    2 x 256, entry 512, index key 128), 20 HCA (key, two compressor rows, entry: 4 x 512), the streams layer
-    (4 x 4096) and the MTP layer (512) -- plus one V column each, x 2 bytes per token (before: every layer 16,385
-    wide, 1,474,650 bytes); the split by kind adds up to it, and upstream's fp8 layout needs about 3.85 KB per
-    token. The gap is the rest of the lean-state work (issue 15); ``--kv-cache-dtype fp8_e4m3`` is refused,
-    naming the flag."""
+    """The state part of the report at V4-Flash shapes, bf16, measured from the hybrid pool the server builds.
+    A token row holds the entries (21 CSA: 512 + index key 128; 20 HCA: 512) plus one V column per layer: 47,442
+    bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the widest,
+    273,754 unpadded). A window row holds the rest -- keys (43 layers + MTP, 512), compressor rows (CSA 2 x 1024 +
+    2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096) -- and a request holds at most 129 retained + 128
+    (SGLang's eviction interval) + 17 draft-tree window rows. The split by kind adds up; upstream's fp8 layout needs
+    about 3.85 KB per token. The gap is the rest of the lean-state work (issue 15); ``--kv-cache-dtype fp8_e4m3`` is
+    refused, naming the flag."""
     from pathlib import Path
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
-    widths = 2 * 512 + 21 * (512 + 2 * 1024 + 2 * 256 + 512 + 128) + 20 * 4 * 512 + 4 * 4096 + 512
-    assert r["state_bytes_per_token"] == (widths + 45) * 2 == 273_754
-    slots = r["state_tokens"] + r["state_requests"] * r["draft_tree_slots_per_request"]
-    kinds = r["state_bytes_by_kind"]
-    assert sum(v for k, v in kinds.items() if k != "req_to_token") == r["state_bytes_per_token"] * slots
-    assert kinds["v_column"] == 45 * 2 * slots and kinds["compressor_rows"] > 0.5 * r["state_bytes_per_token"] * slots
+    token_row = (21 * (512 + 128) + 20 * 512 + 41) * 2
+    window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) + 20 * 2 * 512 + 4 * 4096 + 45) * 2
+    assert r["state_bytes_per_token"] == token_row == 47_442 and r["window_row_bytes"] == window_row
     assert r["draft_tree_slots_per_request"] == 8 + 3 * 3  # the default D=8 K=3 S=4 tree's reservation
-    assert r["state_bytes_per_request"] == 17 * r["state_bytes_per_token"] + 131072 * 4
+    assert r["window_rows_per_request"] == 129 + 128 + 17
+    assert r["state_bytes_per_request"] == 274 * window_row + 17 * token_row + 131072 * 4
+    kinds = r["state_bytes_by_kind"]
+    assert sum(v for k, v in kinds.items() if k != "req_to_token") == (
+        token_row * (r["state_tokens"] + 64 * 17) + window_row * 64 * 274)
+    assert kinds["compressed_entries"] == (21 * 640 + 20 * 512) * 2 * (1_000_000 + 64 * 17)
     assert r["state_bytes"] == 1_000_000 * r["state_bytes_per_token"] + 64 * r["state_bytes_per_request"]
     assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
     import subprocess
@@ -233,26 +236,32 @@ def test_footprint_names_a_tp_that_does_not_divide():
 
 @pytest.mark.parametrize("config", ["models/tiny-v4/config.json", "data/deepseek_v4_flash_config.json"])
 def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
-    """SGLang decides how many tokens fit a memory budget from the config our override hands it (layers x (head_dim
-    + v_head_dim)); the pool our hook builds instead carves each layer at its own width. The two agree to less than
-    one column per layer, so the tokens SGLang fits follow the real bytes; the pool's buffers are those widths."""
+    """SGLang decides how many tokens fit a memory budget from the config our override hands it (per half of the
+    hybrid pool: layers x (head_dim + v_head_dim), window layers with the ``swa_`` values); the pool our hook builds
+    instead carves each layer at its own width. The two agree to less than one column per layer, so the tokens SGLang
+    fits follow the real bytes; the pool's buffers are those widths, and a move carries whole rows."""
     from pathlib import Path
 
     import torch
 
     from sglang_tree_v4.dsv4.config import DSV4Config
-    from sglang_tree_v4.dsv4.sglang_pool import pool_layer_widths, state_pool_class
+    from sglang_tree_v4.dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
+                                                 token_layer_widths, window_layer_widths)
     from sglang_tree_v4.speculative.model_override import sglang_config
     raw = json.loads((Path(__file__).resolve().parents[1] / config).read_text())
-    pc, widths = sglang_config(raw), pool_layer_widths(DSV4Config.from_dict(raw))
-    real = sum(widths) + len(widths) * pc.v_head_dim
-    sized = pc.num_hidden_layers * pc.num_key_value_heads * (pc.head_dim + pc.v_head_dim)
-    assert pc.num_hidden_layers == len(widths) and 0 <= sized - real < len(widths)
-    assert max(widths) * len(widths) > 1.5 * sum(widths)  # one common width would pad most layers
-    pool = state_pool_class(widths)(size=4, page_size=1, dtype=torch.float32, head_num=1, head_dim=pc.head_dim,
-                                    layer_num=pc.num_hidden_layers, device="cpu", enable_memory_saver=False,
-                                    v_head_dim=pc.v_head_dim)
-    assert [b.shape[-1] for b in pool.k_buffer] == widths and all(b.shape[-1] == 1 for b in pool.v_buffer)
-    pool.k_buffer[-1][2] = 7.0
-    pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))  # every layer's whole row moves, whatever its width
-    assert bool((pool.k_buffer[-1][3] == 7.0).all())
+    cfg = DSV4Config.from_dict(raw)
+    pc, window, token = sglang_config(raw), window_layer_widths(cfg), token_layer_widths(cfg)
+    assert pc.is_hybrid_swa and pc.hybrid_layer_pattern == [1] * len(window) + [0] * len(token)
+    assert pc.num_hidden_layers == len(window) + len(token) and pc.sliding_window > cfg.window
+    for widths, hd, vd in ((window, pc.swa_head_dim, pc.swa_v_head_dim), (token, pc.head_dim, pc.v_head_dim)):
+        real = sum(widths) + len(widths) * vd
+        assert 0 <= len(widths) * (hd + vd) - real < len(widths)
+    assert sum(token) < sum(window) / 4  # what every token keeps is a small part of what a window position needs
+    pool_class = model_state_pool_class(cfg)
+    for label, widths, hd in ((WINDOW_LABEL, window, pc.swa_head_dim), (TOKEN_LABEL, token, pc.head_dim)):
+        pool = pool_class(size=4, page_size=1, dtype=torch.float32, head_num=1, head_dim=hd, layer_num=len(widths),
+                          device="cpu", enable_memory_saver=False, allocation_label=label)
+        assert [b.shape[-1] for b in pool.k_buffer] == widths and all(b.shape[-1] == 1 for b in pool.v_buffer)
+        pool.k_buffer[-1][2] = 7.0
+        pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))  # every layer's whole row, whatever its width
+        assert bool((pool.k_buffer[-1][3] == 7.0).all())

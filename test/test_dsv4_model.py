@@ -98,22 +98,26 @@ def test_full_sequence_forward_is_differentiable_and_batched():
 
 
 def test_store_over_external_per_layer_buffers(case):
-    """The store can wrap caller-owned [num_slots, width] buffers (an SGLang KV pool): all state lands in them,
-    and copying whole rows between slots moves every piece of every layer."""
-    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, model_layouts
+    """The store can wrap caller-owned [num_slots, width] buffers (an SGLang KV pool: window rows, token rows): all
+    state lands in them, and copying whole rows between slots moves every piece of every layer."""
+    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, model_layouts, model_token_layouts
     _, ours, ids, ref = case
     n = 64
-    lays = model_layouts(ours.cfg)
+    lays, token_lays = model_layouts(ours.cfg), model_token_layouts(ours.cfg)
     assert [lay.width for lay in lays] == [sum(w for _, w in lay.pieces.values()) for lay in lays]
-    pool = [torch.full((2 * n + 1, lay.width), float("nan")) for lay in lays]  # garbage-initialised, like a pool
-    store = SlotStore(lays, 2 * n + 1, buffers=pool)
+    assert any(lay.width for lay in token_lays)
+    # garbage-initialised, like a pool
+    pool = [torch.full((2 * n + 1, lay.width), float("nan")) for lay in lays]
+    token_pool = [torch.full((2 * n + 1, lay.width), float("nan")) for lay in token_lays]
+    store = SlotStore(lays, 2 * n + 1, buffers=pool, token_layouts=token_lays, token_buffers=token_pool)
     slots = torch.arange(n) * 2 + 1  # non-contiguous slots
     pos = torch.arange(n)
     fb = ForwardBatch(ids[:n], pos, slots, SlotTable.for_requests(slots[None], torch.zeros(n, dtype=torch.long), pos))
     with torch.no_grad():
         got = ours(fb, store).logits
     assert rel_err(got, ref[:n]) <= TOL
-    assert all(store.buffers[i] is pool[i] for i in range(len(pool)))
+    assert store.all_buffers() == pool + token_pool and all(a is b for a, b in zip(store.all_buffers(),
+                                                                                    pool + token_pool))
     assert torch.isfinite(pool[0][slots]).all() and torch.isnan(pool[0][0]).all()
     # whole-row move to even slots, then continue decoding through the moved rows
     store.copy_rows(slots, slots - 1)

@@ -128,14 +128,14 @@ def run_tree_case(case, shapes, seed, hf_check=0):
     stores = tv.stores
     lens = torch.tensor([runner.lens[r] for r in rids])
     before = committed_checksum(stores, runner.req_table, torch.tensor(rids), lens)
-    snapshot = [b.clone() for b in runner.store.buffers]
+    snapshot = [b.clone() for b in runner.store.all_buffers()]
     res = tv.verify(rids, toks, par, nn)
     after = committed_checksum(stores, runner.req_table, torch.tensor(rids), lens)
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "verify changed committed state"
     scratch = torch.cat([tv.scratch[r] for r in rids])
     untouched = torch.ones(runner.store.num_slots, dtype=torch.bool)
     untouched[scratch] = False
-    for b0, b1 in zip(snapshot, runner.store.buffers):
+    for b0, b1 in zip(snapshot, runner.store.all_buffers()):  # window rows and token rows
         assert torch.equal(b0[untouched], b1[untouched]), "verify wrote outside its scratch slots"
     oracle_rids = []
     for b, rid in enumerate(rids):

@@ -105,13 +105,17 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
                            capture_output=True, text=True, timeout=300, env=launcher.clean_env())
     dense_bytes = json.loads(dense.stdout.strip().splitlines()[-1])["param_bytes_per_rank"]
     assert tp1["param_bytes_per_rank"] < 0.6 * dense_bytes, (tp1, dense_bytes)
-    # The state: SGLang logs the pool it allocated (GiB, two decimals); the report's bytes per token predict it.
-    alloc = re.search(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB",
-                      servers["published"].log.read_text())
-    assert alloc, servers["published"].log_tail()
-    tokens, k_gib, v_gib = int(alloc[1]), float(alloc[2]), float(alloc[3])
-    state = footprint("--tokens", str(tokens + 1))["state_bytes_per_token"]  # + 1: SGLang's padding slot
-    assert abs((tokens + 1) * state / 2**30 - (k_gib + v_gib)) <= 0.011, (state, tokens, k_gib, v_gib)
+    # The state: SGLang logs the two halves of the hybrid pool it allocated (GiB, two decimals): token rows and
+    # window rows; the report's bytes per token row and per window row predict them.
+    log = servers["published"].log.read_text()
+    alloc = {m[0]: (int(m[1]), float(m[2]) + float(m[3])) for m in re.findall(
+        r"(Full|SWA) KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB", log)}
+    assert set(alloc) == {"Full", "SWA"}, servers["published"].log_tail()
+    report = footprint("--tokens", "1")
+    for half, row in (("Full", report["state_bytes_per_token"]), ("SWA", report["window_row_bytes"])):
+        rows, gib = alloc[half]
+        assert abs((rows + 1) * row / 2**30 - gib) <= 0.011, (half, rows, row, gib)  # + 1: SGLang's padding row
+    assert report["window_row_bytes"] > 4 * report["state_bytes_per_token"]  # most state is window-only
 
 
 def test_tp2_tree_equals_tp1_tree(servers, prompt_ids):

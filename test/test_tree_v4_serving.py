@@ -200,6 +200,40 @@ def test_radix_cache_prefix_reuse(servers):
         assert second["output_ids"] == want["output_ids"], shape
 
 
+def test_radix_hits_give_the_tokens_of_a_cold_run(servers):
+    """The hybrid pool keeps every position's token row (entries) but a window row (keys, compressor rows, streams)
+    only for the last window; SGLang's radix cache matches a cached prefix only where the window behind its end is
+    still held. A 40-token prompt decodes 220 tokens (so the window rows of positions ~40..128 are freed on the way),
+    then three requests share its first 37, 45 and 230 tokens (block-misaligned: each ends inside a CSA and an HCA
+    block; all cross the window of 32 and an HCA block; 45 and 230 go past the prompt, 230 past the freed rows) and
+    go on with other tokens. On the tree and the plain server each gives exactly the tokens of a cold run (the plain
+    server after a cache flush), and the hits are real (``cached_tokens``: the 40 prompt tokens for 45, and for 230
+    past the freed rows; SGLang's radix cache ends no match shorter than its retained window, and here none inside
+    the prompt's node, so 37 checks tokens only). Pages are one token here: no page boundary to cross."""
+    text = " ".join(prompts.sharegpt_prompts(36)[28:36])
+    ids = servers["plain"].post("/tokenize", {"prompt": text}).json()["tokens"]
+    prompt, tail = ids[:40], ids[60:67]
+    first_sampling = {"max_new_tokens": 220, "temperature": 0, "ignore_eos": True}
+    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    hits = {}
+    for shape in ("tree", "plain"):
+        first = servers[shape].generate({"input_ids": prompt, "sampling_params": first_sampling})
+        seq = prompt + first["output_ids"]
+        hits[shape] = {n: servers[shape].generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
+                       for n in (37, 45, 230)}
+        hits[shape]["seq"] = seq
+    assert hits["tree"]["seq"] == hits["plain"]["seq"]
+    seq = hits["plain"]["seq"]
+    for n in (37, 45, 230):
+        assert servers["plain"].post("/flush_cache", {}).status_code == 200
+        cold = servers["plain"].generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
+        assert cold["meta_info"]["cached_tokens"] == 0
+        for shape in ("tree", "plain"):
+            hit = hits[shape][n]
+            assert hit["output_ids"] == cold["output_ids"], (shape, n)
+            assert hit["meta_info"]["cached_tokens"] >= {37: 0, 45: 40, 230: 190}[n], (shape, n, hit["meta_info"])
+
+
 SAMPLES_PER_CASE = 500
 SAMPLED_TOKENS = 10
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
-from sglang_tree_v4.dsv4.mtp import new_mtp_store
+from sglang_tree_v4.dsv4.mtp import new_mtp_store, new_streams_store
 from sglang_tree_v4.dsv4.quantize import build_model
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable, StepCaps
@@ -53,8 +53,13 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
     dt = model.embed.weight.dtype
     slots = 1 << 16
     T = caps.max_context
+    # window rows reached through a full-to-window mapping, as in SGLang's hybrid pool
+    window_index = torch.empty(slots, dtype=torch.long, device="meta")
     store = model.new_store(slots, dt, "meta")
     mtp_store = new_mtp_store(cfg, slots, dt, "meta")
+    streams = new_streams_store(cfg, slots, dt, "meta")
+    for s in (store, mtp_store, streams):
+        s.window_index = window_index
     req_table = torch.empty(B, T, dtype=torch.long, device="meta")
     rids = torch.empty(B, dtype=torch.long, device="meta")
     lens = torch.empty(B, dtype=torch.long, device="meta")
@@ -86,7 +91,6 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
     assert children.is_meta and hidden.is_meta
     shapes["draft"] = (tuple(logits.shape), tuple(children.shape))
     # The MTP catch-up of a usual round (the last D committed positions of every request), which drafts the root.
-    streams = torch.empty(slots, cfg.hc_mult * cfg.hidden_size, dtype=dt, device="meta")
     root_logits, root_hidden = catch_up_fixed(model, mtp_store, streams, req_table, lens,
                                               torch.empty(B, D, dtype=torch.long, device="meta"))
     assert root_logits.is_meta and tuple(root_hidden.shape) == (B, 1, cfg.hc_mult, cfg.hidden_size)
@@ -260,15 +264,14 @@ def test_step_on_cpu_equals_eager(embedded, mode, caps_kind):
 
 
 def meaningful_rows(runner, slots, positions):
-    """Every layer's rows at ``slots``, with the entry columns of positions that close no block zeroed: nothing
-    reads them, so each path may leave whatever the slot held before."""
+    """Every layer's window and token rows at ``slots``, with the token rows (entries) of positions that close no
+    block zeroed: nothing reads them, so each path may leave whatever the slot held before."""
     rows = runner.store.rows(slots)
-    for layer, lay in enumerate(runner.store.layouts):
+    first_token_row = len(runner.store.layouts)
+    for layer in range(len(runner.store.token_layouts)):
         r = runner.model.cfg.compress_ratios[layer]
-        for piece in ("entry", "ientry"):
-            if piece in lay.pieces:
-                off, w = lay.pieces[piece]
-                rows[layer][(positions + 1) % r != 0, off:off + w] = 0
+        if r:
+            rows[first_token_row + layer][(positions + 1) % r != 0] = 0
     return rows
 
 
@@ -309,9 +312,9 @@ def test_fixed_catch_up_equals_the_eager_one(embedded):
     runner = DSV4Runner(embedded, num_slots=512, max_len=96, max_reqs=3)
     rids = [runner.add_request() for _ in lens]
     seqs = [[rng.randrange(2, cfg.vocab_size) for _ in range(L + 1)] for L in lens]  # the last one: the bonus
-    streams = torch.zeros(512, cfg.hc_mult * cfg.hidden_size)
+    streams = new_streams_store(cfg, 512)
     for rid, out, seq in zip(rids, runner.extend(rids, [s[:-1] for s in seqs]), seqs):
-        streams[runner.slots_of(rid)] = out.streams.flatten(1)
+        streams.write(0, "h", runner.slots_of(rid), out.streams.flatten(1))
     table = runner.req_table[torch.tensor(rids)]
     # both stores start with the MTP rows of every position but the last ``behind`` of each request
     done = [L - k for L, k in zip(lens, behind)]

@@ -1,15 +1,19 @@
 """The attention state our server holds per token and per running request, and what upstream SGLang would hold.
 
-Why: the per-slot layout (``dsv4.storage``) gives every token one row per pool layer (each layer as wide as its own
-pieces, ``dsv4.sglang_pool``); at V4-Flash shapes that is the state that decides how many tokens a GPU can serve.
-This module measures it the way the server allocates it -- the pool class the server builds, with the arguments
-SGLang derives from the config our model override hands it (``sglang_config``), at two small sizes, so the slope
-is the pool's real bytes per slot and not a formula -- and splits the slot into kinds from our row layout (the
-split must add up to the measured slope).
+Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
+sliding-window pool (``dsv4.sglang_pool``): a *token row* per token slot (the entries, in the rows of block-closing
+tokens) and a *window row* per position of each request's last window (keys, compressor rows, the MTP's streams and
+keys). This module measures both the way the server allocates them -- the pool class the server builds, with the
+arguments SGLang derives from the config our model override hands it (``sglang_config``), at two small sizes, so
+the slopes are the pool's real bytes per row and not a formula -- and splits them into kinds from our layouts
+(the split must add up to the measured rows).
 
-Per running request the server also holds the draft-tree slots the worker reserves beyond the committed length
-(``D + K (S - 1)``: the largest tree's nodes and the draft's scratch) and one ``req_to_token`` row (int32 per
-position of the context length).
+Per token: one token row. Per running request: the window rows it holds -- SGLang frees a position's window row
+once it is ``retained_window`` behind the newest and at least ``SWA_EVICTION_INTERVAL`` positions can go at once,
+so up to ``retained_window + interval`` committed positions, plus the draft-tree slots the worker reserves beyond
+the committed length (``D + K (S - 1)``: window and token rows) -- and one ``req_to_token`` row (int32 per position
+of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the
+report gives the rows the running requests need.
 
 Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
 + 8 scale bytes, CSA index keys of ``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens;
@@ -22,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_pool import pool_layer_widths, state_pool_class
-from .dsv4.storage import model_layouts, mtp_layouts
+from .dsv4.sglang_pool import TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window
+from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
 from .speculative.mtp_drafter import round_slots
 from .speculative.model_override import sglang_config
 
@@ -31,38 +35,51 @@ KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compress
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "entry": "compressed_entries",
                  "ientry": "compressed_entries"}
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
+SWA_EVICTION_INTERVAL = 128  # SGLang's default SGLANG_SWA_EVICTION_INTERVAL
 
 
-def measured_bytes_per_slot(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> int:
-    """Bytes per token slot of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes
-    from ``pool_config``, what our model override hands it), from two real allocations."""
-    pool_class = state_pool_class(pool_layer_widths(cfg))
+def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes per row of each half of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang
+    passes from ``pool_config``), from two real allocations: ``{"token": ..., "window": ...}``."""
+    pool_class = model_state_pool_class(cfg)
+    pattern = pool_config.hybrid_layer_pattern
+    heads = pool_config.num_key_value_heads
 
-    def total(slots: int) -> int:
-        pool = pool_class(size=slots, page_size=1, dtype=dtype, head_num=pool_config.num_key_value_heads,
-                          head_dim=pool_config.head_dim, layer_num=pool_config.num_hidden_layers, device="cpu",
-                          enable_memory_saver=False, v_head_dim=pool_config.v_head_dim)
+    def total(label: str, layers: int, head_dim: int, rows: int) -> int:
+        pool = pool_class(size=rows, page_size=1, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
+                          device="cpu", enable_memory_saver=False, allocation_label=label)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
 
-    return (total(16) - total(8)) // 8
+    out = {}
+    for kind, label, layers, hd in (("token", TOKEN_LABEL, pattern.count(0), pool_config.head_dim),
+                                    ("window", WINDOW_LABEL, pattern.count(1), pool_config.swa_head_dim)):
+        out[kind] = (total(label, layers, hd, 16) - total(label, layers, hd, 8)) // 8
+    return out
 
 
-def bytes_per_slot_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, int]:
-    """One slot's bytes split by what they hold (pool layer order: target layers, the streams layer, MTP layers);
-    ``v_column`` is the one-column V buffer SGLang allocates per layer and nothing uses."""
+def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, dict[str, int]]:
+    """One token row's and one window row's bytes split by what they hold; ``v_column`` is the one-column V buffer
+    SGLang allocates per layer and nothing uses."""
     size = torch.empty((), dtype=dtype).element_size()
-    kinds: dict[str, int] = {}
+    kinds: dict[str, dict[str, int]] = {"token": {}, "window": {}}
 
-    def add(kind: str, cols: int) -> None:
-        kinds[kind] = kinds.get(kind, 0) + cols * size
+    def add(row: str, kind: str, cols: int) -> None:
+        kinds[row][kind] = kinds[row].get(kind, 0) + cols * size
 
     for layout in model_layouts(cfg):
         for piece, (_, w) in layout.pieces.items():
-            add(KIND_OF_PIECE[piece], w)
-    add("mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
+            add("window", KIND_OF_PIECE[piece], w)
+    for layout in model_token_layouts(cfg):
+        for piece, (_, w) in layout.pieces.items():
+            add("token", KIND_OF_PIECE[piece], w)
+    add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
     for layout in mtp_layouts(cfg):
-        add("mtp_window_kv", layout.pieces["k"][1])
-    add("v_column", pool_config.num_hidden_layers * pool_config.num_key_value_heads * pool_config.v_head_dim)
+        add("window", "mtp_window_kv", layout.pieces["k"][1])
+    pattern = pool_config.hybrid_layer_pattern
+    add("window", "v_column", pattern.count(1) * pool_config.num_key_value_heads * pool_config.swa_v_head_dim)
+    add("token", "v_column", pattern.count(0) * pool_config.num_key_value_heads * pool_config.v_head_dim)
+    if pattern.count(0) > sum(1 for lay in model_token_layouts(cfg) if lay.width):  # the placeholder layer
+        add("token", "placeholder", 1)
     return kinds
 
 
@@ -85,22 +102,28 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     """``raw``: the checkpoint's config.json; ``context_len`` None: the config's max positions."""
     cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw)
     context_len = context_len or cfg.max_position_embeddings
-    slope = measured_bytes_per_slot(cfg, pool_config, dtype)
-    kinds = bytes_per_slot_by_kind(cfg, pool_config, dtype)
-    if sum(kinds.values()) != slope:
-        raise AssertionError(f"the split by kind ({sum(kinds.values())} B) is not the pool's slot ({slope} B)")
-    scratch_slots = round_slots(draft_tokens, topk, steps)
-    per_request = scratch_slots * slope + context_len * 4
-    slots = tokens + requests * scratch_slots
-    by_kind = {k: v * slots for k, v in kinds.items()}
+    row = measured_bytes_per_row(cfg, pool_config, dtype)
+    kinds = bytes_per_row_by_kind(cfg, pool_config, dtype)
+    for kind in ("token", "window"):
+        if sum(kinds[kind].values()) != row[kind]:
+            raise AssertionError(f"the split of a {kind} row ({sum(kinds[kind].values())} B) is not the pool's "
+                                 f"({row[kind]} B)")
+    tree_slots = round_slots(draft_tokens, topk, steps)
+    window_rows = retained_window(cfg) + SWA_EVICTION_INTERVAL + tree_slots
+    per_request = window_rows * row["window"] + tree_slots * row["token"] + context_len * 4
+    by_kind: dict[str, int] = {}
+    for kind, count in (("token", tokens + requests * tree_slots), ("window", requests * window_rows)):
+        for name, b in kinds[kind].items():
+            by_kind[name] = by_kind.get(name, 0) + b * count
     by_kind["req_to_token"] = requests * context_len * 4
     upstream = upstream_estimate(cfg, draft_tokens)
     return {
-        "state_bytes_per_token": slope,
+        "state_bytes_per_token": row["token"],
         "state_bytes_per_request": per_request,
         "state_bytes_by_kind": by_kind,
-        "state_bytes": slope * tokens + per_request * requests,
-        "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": scratch_slots,
+        "state_bytes": row["token"] * tokens + per_request * requests,
+        "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": tree_slots,
+        "window_rows_per_request": window_rows, "window_row_bytes": row["window"],
         "context_len": context_len, "kv_cache_dtype": str(dtype).removeprefix("torch."),
         "upstream_fp8_state_bytes_per_token": round(upstream["state_bytes_per_token"], 1),
         "upstream_fp8_state_bytes_per_request": round(upstream["state_bytes_per_request"]),

@@ -4,7 +4,7 @@ Without a GPU, SGLang sizes the KV pool as a fraction of the machine's RAM: on a
 that is ~15 GiB and ~30 s of allocation for a model of a few MB. A fixed token budget is the
 sensible default on a CPU; ``--max-total-tokens`` still overrides it. Our DeepSeek-V4 runs in float32 on a CPU
 (half precision is slow there and the losslessness tests compare against float32 references); ``--dtype`` still
-overrides it. Idle schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the available ones evenly.
+overrides it; its window rows get half the token budget (``--swa-full-tokens-ratio`` overrides it). Idle schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the available ones evenly.
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ import os
 
 TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 DEFAULT_MAX_TOTAL_TOKENS = 65536
+# Window rows (SGLang's SWA pool) per token slot. A request holds about a window plus SGLang's eviction interval of
+# window rows, but a prefill holds them for its whole chunk until its first decode step; half the token budget
+# keeps the test and benchmark loads (64 requests of a few hundred prompt tokens) admitted at once.
+CPU_SWA_FULL_TOKENS_RATIO = 0.5
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's CPU tensor parallelism needs one core set per rank
 
 
@@ -34,8 +38,11 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
             self.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
         # An idle scheduler busy-polls; on a CPU those cycles are taken from the model's own compute.
         self.sleep_on_idle = True
-        if self.dtype == "auto" and is_deepseek_v4(read_checkpoint_config(self.model_path)):
+        v4 = is_deepseek_v4(read_checkpoint_config(self.model_path))
+        if self.dtype == "auto" and v4:
             self.dtype = "float32"
+        if v4 and self.swa_full_tokens_ratio is None:
+            self.swa_full_tokens_ratio = CPU_SWA_FULL_TOKENS_RATIO
         if (self.tp_size or 1) > 1:
             os.environ.setdefault(THREADS_BIND_ENV, cpu_binding(self.tp_size))
     return original(self, *args, **kwargs)

@@ -75,6 +75,7 @@ class Attention(nn.Module):
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
         win_slots = fb.memo(("window", W), lambda: fb.table.lookup(
             fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)))
+        win_rows = fb.memo(("window_rows", W), lambda: store.index(layer, "k", win_slots))
         ent_store = ent_slots = None
         if self.compressor is not None:
             r = self.ratio
@@ -85,7 +86,7 @@ class Attention(nn.Module):
                 ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             ent_store = store.view(layer, "entry")
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
-        o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_slots, ent_store, ent_slots,
+        o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
         g = self.o_groups

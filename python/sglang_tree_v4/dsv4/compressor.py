@@ -55,11 +55,12 @@ class Compressor(nn.Module):
             col_off, ape = torch.zeros(r, dtype=torch.long, device=p.device), self.ape
         cos, sin = rope.cos_sin(((p + 1) // r - 1) * r)  # RoPE at the entry's first position
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
-        ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), slots, col_off, ape,
+        rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
+        ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), rows, col_off, ape,
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
         out = fb.out_slots[closers]
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
-            ent = torch.where(closes[:, None], ent.to(store.buffers[layer].dtype), store.read(layer, entry, out))
+            ent = torch.where(closes[:, None], ent.to(store.view(layer, entry).dtype), store.read(layer, entry, out))
         store.write(layer, entry, out, ent)
 
 

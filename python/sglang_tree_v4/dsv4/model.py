@@ -19,7 +19,7 @@ from .hyper import HyperHead
 from .mtp import MTPBlock
 from .norm import RMSNorm
 from .rope import Rope, ropes_for
-from .storage import ForwardBatch, SlotStore, SlotTable, model_layouts
+from .storage import ForwardBatch, SlotStore, SlotTable, model_layouts, model_token_layouts
 
 
 class DSV4Model(nn.Module):
@@ -42,7 +42,8 @@ class DSV4Model(nn.Module):
         return self.ropes["main"] if ratio == 0 else self.ropes["compress"]
 
     def new_store(self, num_slots: int, dtype: torch.dtype = torch.float32, device="cpu") -> SlotStore:
-        return SlotStore(model_layouts(self.cfg), num_slots, dtype, device)
+        return SlotStore(model_layouts(self.cfg), num_slots, dtype, device,
+                         token_layouts=model_token_layouts(self.cfg))
 
     def forward(self, fb: ForwardBatch, store: SlotStore, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """``logits_rows``: optional indices of the queries whose logits are wanted (default: all)."""

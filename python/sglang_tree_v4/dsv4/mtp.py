@@ -20,7 +20,7 @@ from .config import DSV4Config
 from .block import Block, ModelOutput
 from .hyper import HyperHead
 from .norm import RMSNorm
-from .storage import ForwardBatch, SlotStore, mtp_layouts
+from .storage import ForwardBatch, SlotStore, mtp_layouts, streams_layouts
 
 
 class MTPBlock(Block):
@@ -37,6 +37,11 @@ class MTPBlock(Block):
 
 def new_mtp_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu") -> SlotStore:
     return SlotStore(mtp_layouts(cfg), num_slots, dtype, device)
+
+
+def new_streams_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu") -> SlotStore:
+    """The target's last-block streams per slot (piece ``h``), which the MTP reads when it catches up."""
+    return SlotStore(streams_layouts(cfg), num_slots, dtype, device)
 
 
 def mtp_forward(model: nn.Module, fb: ForwardBatch, hidden_streams: torch.Tensor, store: SlotStore,

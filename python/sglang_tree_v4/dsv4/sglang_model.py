@@ -1,11 +1,11 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
-SGLang sees an ordinary model with one KV "head" per layer and ``num_layers + 2`` layers: the K buffer of layer
-``i < num_layers`` holds target layer ``i``'s row (window key, compressor rows, entries; see ``storage``), layer
-``num_layers`` holds the last block's streams before the HC head (the MTP's hidden input, needed again when the MTP
-catches up), and layer ``num_layers + 1`` holds the MTP layer's row. Each layer's buffer is as wide as its own row
-(``sglang_pool``). Everything per token therefore lives in SGLang's own per-slot KV buffers, so the radix cache and
-the accepted-token move (``move_kv_cache``) carry all of it.
+SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
+target layer's window row (window key, compressor rows, a draft node's entries; see ``storage``), the last block's
+streams before the HC head (the MTP's hidden input, needed again when the MTP catches up) and the MTP layer's row;
+token layers hold the entries, in the rows of the tokens that closed their blocks. Everything per token therefore
+lives in SGLang's own KV buffers, so its allocator, SWA eviction, radix cache and accepted-token move
+(``move_kv_cache``) carry all of it.
 
 The forward maps SGLang's batch onto our slot tables: extend / decode queries read their request's ``req_to_token``
 row; target-verify queries (draft-tree nodes) read the committed row below the committed length and their own
@@ -26,8 +26,9 @@ from torch import nn
 from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
-from .sglang_pool import pool_layer_widths
-from .storage import SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, mtp_layouts
+from .sglang_pool import window_layer_widths
+from .storage import (SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, model_token_layouts,
+                      mtp_layouts, streams_layouts)
 from .weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -115,25 +116,29 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         # The head is vocabulary-parallel: SGLang's logits processor gathers the ranks' parts.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=self.model.tp_rank_size[1] == 1)
         self.last_streams: torch.Tensor | None = None
-        self._stores: tuple[SlotStore, SlotStore | None, torch.Tensor] | None = None
+        self._stores: tuple[SlotStore, SlotStore | None, SlotStore] | None = None
 
     # --- storage over SGLang's KV pool ---------------------------------------------------------------------
-    def stores(self) -> tuple[SlotStore, SlotStore | None, torch.Tensor]:
-        """(target store, MTP store, streams buffer), views over the KV pool's per-layer K buffers."""
+    def stores(self) -> tuple[SlotStore, SlotStore | None, SlotStore]:
+        """(target store, MTP store, streams store), views over the hybrid pool's K buffers (window layers first,
+        then one token layer per compressed layer) with SGLang's full-to-SWA mapping as the window index."""
         if self._stores is None:
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
             pool = get_token_to_kv_pool()
-            n = self.cfg.num_layers
-            rows = [pool.get_key_buffer(i).flatten(1) for i in range(len(pool_layer_widths(self.cfg)))]
-            num_slots = rows[0].shape[0]
-            target = SlotStore(model_layouts(self.cfg), num_slots,
-                               buffers=[rows[i][:, :lay.width] for i, lay in enumerate(model_layouts(self.cfg))])
-            mtp = None
-            if len(self.model.mtp):
-                lays = mtp_layouts(self.cfg)
-                mtp = SlotStore(lays, num_slots, buffers=[rows[n + 1][:, :lays[0].width]])
-            streams = rows[n][:, : self.cfg.hc_mult * self.cfg.hidden_size]
+            n, cfg = self.cfg.num_layers, self.cfg
+            nw = len(window_layer_widths(cfg))
+            window = [pool.get_key_buffer(i).flatten(1) for i in range(nw)]
+            token_iter = iter(pool.get_key_buffer(nw + i).flatten(1) for i in range(pool.layer_num - nw))
+            token_lays = model_token_layouts(cfg)
+            token = [next(token_iter) if lay.width else window[0][:, :0] for lay in token_lays]
+            common = dict(window_index=pool.full_to_swa_index_mapping)
+            num_slots = pool.size + pool.page_size
+            target = SlotStore(model_layouts(cfg), num_slots, buffers=window[:n], token_layouts=token_lays,
+                               token_buffers=token, **common)
+            streams = SlotStore(streams_layouts(cfg), num_slots, buffers=[window[n]], **common)
+            mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common)
+                   if len(self.model.mtp) else None)
             self._stores = (target, mtp, streams)
         return self._stores
 
@@ -162,7 +167,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
         batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps)
         out = self.model(batch, store, logits_rows=no_rows).streams
-        streams[out_slots] = out.flatten(1).to(streams.dtype)
+        streams.write(0, "h", out_slots, out.flatten(1))
         self.last_streams = out
         final = self.model.norm(self.model.hc_head(out))
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)

@@ -3,9 +3,10 @@
 Every piece of per-token state is one row per *token slot* per layer: the token's window key (V = K), its
 compressor rows (kv and score, before the slot bias), for CSA also its indexer-compressor rows, and -- at the slot
 of a token that closes a compression block, i.e. position ``t`` with ``(t + 1) % r == 0`` -- the compressed entry
-it produced (for CSA also the index key). A layer's pieces are column ranges of ONE row, so a layer can live in
-a single ``[num_slots, width]`` buffer (SGLang's per-layer KV buffer) and whole-row copies (radix cache,
-``move_kv_cache``) carry every piece at once.
+it produced (for CSA also the index key). A layer's pieces are column ranges of its rows, in two kinds by how long
+they are read: *window rows* (keys and compressor rows: only the last window of positions) and *token rows*
+(entries: for ever). SGLang's hybrid sliding-window pool holds the two kinds (``sglang_pool``), frees window rows
+that fall out of the window, and its whole-row copies (radix cache, ``move_kv_cache``) carry every piece at once.
 
 Consequences (the reason for this layout):
 
@@ -48,21 +49,31 @@ class LayerLayout:
 
 
 def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
-    """Pieces (in row order):
+    """Window-row pieces (in row order), what only the last window of positions needs:
 
     * all layers: ``k`` (head_dim) -- normalised, rotated window key, also the value;
-    * HCA: ``ckv``, ``cscore`` (head_dim each), ``entry`` (head_dim, valid only at block-closing slots);
-    * CSA: ``ckv``, ``cscore`` (2*head_dim each: ``[Ca | Cb]`` halves), ``ikv``, ``iscore`` (2*index_head_dim each),
-      ``entry`` (head_dim), ``ientry`` (index_head_dim).
+    * HCA: ``ckv``, ``cscore`` (head_dim each);
+    * CSA: ``ckv``, ``cscore`` (2*head_dim each: ``[Ca | Cb]`` halves), ``ikv``, ``iscore`` (2*index_head_dim each).
     """
     hd, ihd = cfg.head_dim, cfg.index_head_dim
     if layer_type == SLIDING:
         return LayerLayout.of([("k", hd)])
     if layer_type == HCA:
-        return LayerLayout.of([("k", hd), ("ckv", hd), ("cscore", hd), ("entry", hd)])
+        return LayerLayout.of([("k", hd), ("ckv", hd), ("cscore", hd)])
     if layer_type == CSA:
-        return LayerLayout.of([("k", hd), ("ckv", 2 * hd), ("cscore", 2 * hd), ("ikv", 2 * ihd),
-                               ("iscore", 2 * ihd), ("entry", hd), ("ientry", ihd)])
+        return LayerLayout.of([("k", hd), ("ckv", 2 * hd), ("cscore", 2 * hd), ("ikv", 2 * ihd), ("iscore", 2 * ihd)])
+    raise ValueError(f"unknown layer type {layer_type!r}")
+
+
+def token_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
+    """Token-row pieces, what committed positions keep for ever: the entry a block-closing token computed
+    (HCA, CSA: ``entry``, head_dim; CSA also ``ientry``, index_head_dim), valid only in a closing token's row."""
+    if layer_type == SLIDING:
+        return LayerLayout.of([])
+    if layer_type == HCA:
+        return LayerLayout.of([("entry", cfg.head_dim)])
+    if layer_type == CSA:
+        return LayerLayout.of([("entry", cfg.head_dim), ("ientry", cfg.index_head_dim)])
     raise ValueError(f"unknown layer type {layer_type!r}")
 
 
@@ -70,62 +81,113 @@ def model_layouts(cfg: DSV4Config) -> list[LayerLayout]:
     return [layer_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
 
 
+def model_token_layouts(cfg: DSV4Config) -> list[LayerLayout]:
+    return [token_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
+
+
 def mtp_layouts(cfg: DSV4Config) -> list[LayerLayout]:
     return [layer_layout(cfg, SLIDING) for _ in range(cfg.num_nextn_predict_layers)]
 
 
-class SlotStore:
-    """Per-layer ``[num_slots, width]`` buffers with named column views.
+def streams_layouts(cfg: DSV4Config) -> list[LayerLayout]:
+    """The last block's streams (before the HC head), the MTP's hidden input: one window row per position."""
+    return [LayerLayout.of([("h", cfg.hc_mult * cfg.hidden_size)])]
 
-    ``buffers`` may be supplied by the caller (e.g. an SGLang KV pool's per-layer tensors); otherwise zeros.
-    Writes are in place unless autograd needs the written values (training), in which case the buffer is
-    replaced out of place so gradients flow through later reads.
+
+class SlotStore:
+    """Per-layer state in two kinds of rows, both addressed by token slot; a piece lives in one of them:
+
+    * **window rows** (``buffers``, ``layouts``): what only the last window of positions needs -- window keys and
+      compressor rows (the MTP's window keys, the MTP's input streams). ``window_index`` (SGLang's full-to-SWA
+      mapping) turns a token slot into its window row; None: the same index.
+    * **token rows** (``token_buffers``, ``token_layouts``): what committed positions keep -- the entries, in the
+      row of the token that closed their block.
+
+    ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
+    ``buffers`` may be supplied by the caller (views of an SGLang KV pool); otherwise zeros. Writes are in place
+    unless autograd needs the written values (training), in which case the buffer is replaced out of place so
+    gradients flow through later reads.
     """
 
     def __init__(self, layouts: list[LayerLayout], num_slots: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None):
+                 device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None,
+                 token_layouts: list[LayerLayout] | None = None, token_buffers: list[torch.Tensor] | None = None,
+                 window_index: torch.Tensor | None = None):
         self.layouts = layouts
+        self.token_layouts = token_layouts or [LayerLayout.of([]) for _ in layouts]
         self.num_slots = num_slots
         if buffers is None:
             buffers = [torch.zeros(num_slots, lay.width, dtype=dtype, device=device) for lay in layouts]
-        for i, (b, lay) in enumerate(zip(buffers, layouts)):
-            if b.dim() != 2 or b.shape[1] != lay.width:
-                raise ValueError(f"layer {i}: buffer shape {tuple(b.shape)} != [num_slots, {lay.width}]")
+        if token_buffers is None:
+            rows, dt, dev = (buffers[0].shape[0], buffers[0].dtype, buffers[0].device) if buffers else (
+                num_slots, dtype, device)
+            token_buffers = [torch.zeros(rows, lay.width, dtype=dt, device=dev) for lay in self.token_layouts]
+        for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts)):
+            for i, (b, lay) in enumerate(zip(bufs, lays)):
+                if b.dim() != 2 or b.shape[1] != lay.width:
+                    raise ValueError(f"layer {i}: {kind} buffer shape {tuple(b.shape)} != [num_slots, {lay.width}]")
         self.buffers = list(buffers)
+        self.token_buffers = list(token_buffers)
+        self.window_index = window_index
+
+    def _where(self, layer: int, piece: str) -> tuple[list[torch.Tensor], int, int, bool]:
+        """(buffer list, column offset, width, is a window piece)."""
+        window = self.layouts[layer].pieces.get(piece)
+        if window is not None:
+            return self.buffers, *window, True
+        return self.token_buffers, *self.token_layouts[layer].pieces[piece], False
+
+    def index(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``view(layer, piece)`` holding token ``slots`` (``-1`` stays ``-1``)."""
+        if self.window_index is None or not self._where(layer, piece)[3]:
+            return slots
+        return torch.where(slots >= 0, self.window_index[slots.clamp(min=0)].to(slots.dtype), -1)
 
     def view(self, layer: int, piece: str) -> torch.Tensor:
-        off, w = self.layouts[layer].pieces[piece]
-        return self.buffers[layer][:, off:off + w]
+        bufs, off, w, _ = self._where(layer, piece)
+        return bufs[layer][:, off:off + w]
 
     def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-        off, w = self.layouts[layer].pieces[piece]
-        buf = self.buffers[layer]
+        bufs, off, w, _ = self._where(layer, piece)
+        rows = self.index(layer, piece, slots)
+        buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
             cols = torch.arange(off, off + w, device=buf.device)
-            self.buffers[layer] = buf.index_put((slots[:, None], cols[None, :]), values.to(buf.dtype))
+            bufs[layer] = buf.index_put((rows[:, None], cols[None, :]), values.to(buf.dtype))
         else:
-            buf[slots, off:off + w] = values.to(buf.dtype)
+            buf[rows, off:off + w] = values.to(buf.dtype)
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
-        off, w = self.layouts[layer].pieces[piece]
-        rows = self.buffers[layer][slots.clamp(min=0).reshape(-1), off:off + w]
-        rows = rows.reshape(*slots.shape, w)
-        return torch.where((slots >= 0).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        bufs, off, w, _ = self._where(layer, piece)
+        rows = self.index(layer, piece, slots)
+        got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
+        return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole rows (every layer, every piece) ``src[i] -> dst[i]``: the accepted-token move."""
+        """Copy whole rows (every layer, every piece, window and token rows) ``src[i] -> dst[i]``: the
+        accepted-token move, as SGLang's ``move_kv_cache`` does it."""
+        if self.window_index is not None:
+            s, d = self.window_index[src], self.window_index[dst]
+        else:
+            s, d = src, dst
         for b in self.buffers:
+            b[d] = b[s]
+        for b in self.token_buffers:
             b[dst] = b[src]
 
+    def all_buffers(self) -> list[torch.Tensor]:
+        return self.buffers + self.token_buffers
+
     def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        return [b[slots].clone() for b in self.buffers]
+        """Window rows then token rows at ``slots``, every layer (copies)."""
+        w = self.window_index[slots] if self.window_index is not None else slots
+        return [b[w].clone() for b in self.buffers] + [b[slots].clone() for b in self.token_buffers]
 
     def checksum(self, slots: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Exact fingerprint per layer (a float64 sum of the bit patterns), for isolation checks."""
+        """Exact fingerprint per buffer (a float64 sum of the bit patterns), for isolation checks."""
         out = []
-        for b in self.buffers:
-            x = b if slots is None else b[slots]
+        for x in (self.all_buffers() if slots is None else self.rows(slots)):
             bits = x.contiguous().view(torch.int32).to(torch.float64) if x.dtype == torch.float32 else x.double()
             w = torch.arange(1, bits.numel() + 1, dtype=torch.float64, device=x.device).view_as(bits)
             out.append(torch.stack([bits.sum(), (bits * w).sum()]))
@@ -216,3 +278,4 @@ class ForwardBatch:
         if key not in self.memo_:
             self.memo_[key] = fn()
         return self.memo_[key]
+

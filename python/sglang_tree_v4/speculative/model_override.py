@@ -1,10 +1,9 @@
 """Make SGLang build our DeepSeek-V4 for V4 checkpoints (on a CPU always; on a GPU when TREE_V4 is selected).
 
 Three hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
-architecture and sizes the KV pool our model wants (one head per layer, two extra layers; see
-``dsv4.sglang_model``), with the checkpoint's own config kept for our model; our class is put in SGLang's model
-registry under that name; and where SGLang picks its KV pool class it gets ours, whose layers each have their own
-width (``dsv4.sglang_pool``). With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
+architecture and asks for the hybrid sliding-window KV pool our state lives in, with the checkpoint's own config
+kept for our model; our class is put in SGLang's model registry under that name; and where SGLang picks its KV
+pool class it gets ours, whose layers each have their own width (``dsv4.sglang_pool``). With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
 (its CUDA-only pool, backend and the topk == 1 assertion) fire.
 """
 
@@ -36,14 +35,17 @@ def sglang_config(raw: dict):
 
     from ..dsv4.config import DSV4Config
     from ..dsv4.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
-    from ..dsv4.sglang_pool import V_COLUMNS, pool_head_dim, pool_layer_widths
+    from ..dsv4 import sglang_pool as sp
 
     cfg = DSV4Config.from_dict(raw)
-    widths = pool_layer_widths(cfg)
+    window, token = sp.window_layer_widths(cfg), sp.token_layer_widths(cfg)
     config = PretrainedConfig(
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        num_hidden_layers=len(widths), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
-        head_dim=pool_head_dim(widths), v_head_dim=V_COLUMNS,
+        num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
+        head_dim=sp.pool_head_dim(token), v_head_dim=sp.V_COLUMNS,
+        swa_head_dim=sp.pool_head_dim(window), swa_v_head_dim=sp.V_COLUMNS, swa_num_key_value_heads=1,
+        is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
+        sliding_window=sp.retained_window(cfg),
         max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
         bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
         tie_word_embeddings=False, torch_dtype=raw.get("torch_dtype", "float32"))
@@ -87,16 +89,16 @@ def chat_encoding(original, *args, **kwargs):
 
 
 def state_pool(original, configurator, *args, **kwargs):
-    """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pool, the pool
-    whose layers each have their own width."""
+    """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pools (both
+    halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
     from ..dsv4.sglang_model import RAW_CONFIG_ATTR
-    from ..dsv4.sglang_pool import pool_layer_widths, state_pool_class
+    from ..dsv4.sglang_pool import model_state_pool_class
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
-    return state_pool_class(pool_layer_widths(DSV4Config.from_dict(raw)))
+    return model_state_pool_class(DSV4Config.from_dict(raw))
 
 
 def install() -> None:

@@ -27,7 +27,7 @@ def round_slots(draft_tokens: int, topk: int, steps: int) -> int:
     return draft_tokens + topk * (steps - 1)
 
 
-def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor,
+def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor,
              starts: list[int], lens: list[int], next_tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """MTP rows for positions ``[starts[b], lens[b])`` of every request; returns the root draft.
 
@@ -42,7 +42,7 @@ def catch_up(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torc
     return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, torch.cumsum(counts, 0) - 1)
 
 
-def catch_up_fixed(model, mtp_store: SlotStore, streams: torch.Tensor, req_table: torch.Tensor, lens: torch.Tensor,
+def catch_up_fixed(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor, lens: torch.Tensor,
                    next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``catch_up`` with fixed shapes (no host sync): every request runs the last ``C`` positions
     ``lens[b] - C .. lens[b] - 1`` with ``next_tokens [B, C]`` (the tokens one ahead, the bonus last).
@@ -60,11 +60,11 @@ def catch_up_fixed(model, mtp_store: SlotStore, streams: torch.Tensor, req_table
 
 def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids,
               last) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MTP forward over committed positions (their target streams read from ``streams``); the ``last`` rows'
-    logits and hidden streams as the root drafts ``[B, 1, ...]``."""
+    """One MTP forward over committed positions (their target streams read from ``streams``, piece ``h``); the
+    ``last`` rows' logits and hidden streams as the root drafts ``[B, 1, ...]``."""
     out_slots = req_table[query_req, positions]
     hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size
-    h = streams[out_slots].view(-1, hc, hidden).to(model.embed.weight.dtype)
+    h = streams.read(0, "h", out_slots).view(-1, hc, hidden).to(model.embed.weight.dtype)
     batch = ForwardBatch(next_ids.long(), positions, out_slots, SlotTable.for_requests(req_table, query_req, positions))
     out = mtp_forward(model, batch, h, mtp_store, logits_rows=last)
     return out.logits[:, None], out.streams[last][:, None]

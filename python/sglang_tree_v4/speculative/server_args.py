@@ -126,3 +126,5 @@ def handle_server_args(server_args) -> None:
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 64
+    if server_args.swa_full_tokens_ratio is None:  # window rows per token slot, as upstream SGLang sets for V4
+        server_args.swa_full_tokens_ratio = 0.1

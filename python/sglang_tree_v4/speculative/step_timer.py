@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..dsv4.mtp import new_mtp_store
+from ..dsv4.mtp import new_mtp_store, new_streams_store
 from ..dsv4.sglang_model import fixed_shapes, verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
@@ -61,7 +61,7 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
     slots = max(batches) * width
     store = model.new_store(slots, dtype, device)
     mtp_store = new_mtp_store(cfg, slots, dtype, device)
-    streams = torch.zeros(slots, cfg.hc_mult * cfg.hidden_size, dtype=dtype, device=device)
+    streams = new_streams_store(cfg, slots, dtype, device)
     times = StepTimes()
     verify_sizes = sorted({1, 2, 4, max_tokens})
     # One untimed pass first: lazy initialisation (allocator, kernels, caches) must not count as a step.

@@ -9,9 +9,9 @@ A decode round, per batch:
    ancestry from the tree mask, writes only the node's own verify slot);
 3. the tree core accepts the longest matching path (greedy) or runs lossless multi-branch speculative sampling
    with each request's sampling parameters;
-4. SGLang's accepted-token move copies the accepted nodes' whole per-slot rows (target, streams, MTP) to the
-   request's canonical slots: that is the accepted-path state refresh. Rejected rows stay in reserved slots that
-   the next round overwrites and the request's release frees.
+4. SGLang's accepted-token move copies the accepted nodes' whole rows (window and token rows: target, streams,
+   MTP) to the request's canonical slots: that is the accepted-path state refresh. Rejected rows stay in reserved
+   slots that the next round overwrites and the request's release frees.
 
 Prefill rounds are plain target forwards.
 
