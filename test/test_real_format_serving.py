@@ -108,8 +108,8 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
     # The state: SGLang logs the two halves of the hybrid pool it allocated (GiB, two decimals): token rows and
     # window rows; the report's bytes per token row and per window row predict them.
     log = servers["published"].log.read_text()
-    alloc = {m[0]: (int(m[1]), float(m[2]) + float(m[3])) for m in re.findall(
-        r"(Full|SWA) KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB", log)}
+    pattern = r"(Full|SWA) KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB"
+    alloc = {m[0]: (int(m[1]), float(m[2]) + float(m[3])) for m in re.findall(pattern, log)}
     assert set(alloc) == {"Full", "SWA"}, servers["published"].log_tail()
     report = footprint("--tokens", "1")
     for half, row in (("Full", report["state_bytes_per_token"]), ("SWA", report["window_row_bytes"])):

@@ -4,7 +4,9 @@ Without a GPU, SGLang sizes the KV pool as a fraction of the machine's RAM: on a
 that is ~15 GiB and ~30 s of allocation for a model of a few MB. A fixed token budget is the
 sensible default on a CPU; ``--max-total-tokens`` still overrides it. Our DeepSeek-V4 runs in float32 on a CPU
 (half precision is slow there and the losslessness tests compare against float32 references); ``--dtype`` still
-overrides it; its window rows get half the token budget (``--swa-full-tokens-ratio`` overrides it). Idle schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the available ones evenly.
+overrides it; its window rows get half the token budget (``--swa-full-tokens-ratio`` overrides it). Idle
+schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the
+available ones evenly.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Three hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
 architecture and asks for the hybrid sliding-window KV pool our state lives in, with the checkpoint's own config
 kept for our model; our class is put in SGLang's model registry under that name; and where SGLang picks its KV
-pool class it gets ours, whose layers each have their own width (``dsv4.sglang_pool``). With the architecture renamed, none of SGLang's own DeepSeek-V4 special cases
-(its CUDA-only pool, backend and the topk == 1 assertion) fire.
+pool class it gets ours, whose layers each have their own width (``dsv4.sglang_pool``). With the architecture
+renamed, none of SGLang's own DeepSeek-V4 special cases (its CUDA-only pool, backend and the topk == 1 assertion)
+fire.
 """
 
 from __future__ import annotations
