@@ -219,3 +219,39 @@ def test_indexer_in_chunks_selects_as_one_pass(monkeypatch):
     got = chunked.extend([rid], [ids])[0].logits
     assert torch.equal(got, whole)
     assert rel_err(got, ref) <= TOL
+
+
+def test_window_rows_through_a_mapping(case):
+    """In SGLang's hybrid pool a token slot's window row (keys, compressor rows) sits elsewhere, reached through the
+    full-to-SWA mapping, while its token row (entries) is at the slot itself. A store whose window rows are a
+    scattered mapping into a larger buffer must give exactly the identity store's logits (prefill, then decode
+    steps reading the window, compressor rows and entries through it), and write window state only at mapped rows;
+    a mapping that sends every slot to one row must not (the check can fail)."""
+    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, model_layouts, model_token_layouts
+    _, ours, ids, ref = case
+    n, cfg = 48, ours.cfg
+    slots = torch.arange(n)
+
+    def run(window_index: torch.Tensor | None, window_rows: int) -> torch.Tensor:
+        lays = model_layouts(cfg)
+        store = SlotStore(lays, n, buffers=[torch.zeros(window_rows, lay.width) for lay in lays],
+                          token_layouts=model_token_layouts(cfg), window_index=window_index)
+        table = SlotTable.for_requests(slots[None], torch.zeros(n - 4, dtype=torch.long), slots[:n - 4])
+        with torch.no_grad():
+            out = [ours(ForwardBatch(ids[:n - 4], slots[:n - 4], slots[:n - 4], table), store).logits]
+            for p in range(n - 4, n):  # decode steps
+                one = torch.tensor([p])
+                t = SlotTable.for_requests(slots[None], torch.zeros(1, dtype=torch.long), one)
+                out.append(ours(ForwardBatch(ids[p:p + 1], one, one, t), store).logits)
+        if window_index is not None:
+            untouched = torch.ones(window_rows, dtype=torch.bool)
+            untouched[window_index] = False
+            assert all(not b[untouched].any() for b in store.buffers)
+        return torch.cat(out)
+
+    plain = run(None, n)
+    assert rel_err(plain, ref[:n]) <= TOL
+    scattered = torch.randperm(5 * n, generator=torch.Generator().manual_seed(3))[:n]
+    assert torch.equal(run(scattered, 5 * n), plain)
+    collapsed = run(torch.full((n,), 7), 5 * n)
+    assert rel_err(collapsed, ref[:n]) > 10 * TOL

@@ -71,3 +71,14 @@ def test_launcher_stops_with_the_flag_named():
                           env=srv.clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "--speculative-num-steps" in proc.stderr
+
+
+@pytest.mark.server
+def test_a_plain_kv_pool_is_refused_naming_the_flag():
+    """The state needs SGLang's hybrid sliding-window pool (``dsv4.sglang_pool``); asking SGLang for a plain pool
+    stops the server at startup with a message naming the flag, instead of mis-sizing the pool."""
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(EMBEDDED),
+                           "--disable-hybrid-swa-memory", "--port", str(srv.free_port())],
+                          env=srv.clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "drop --disable-hybrid-swa-memory" in proc.stdout + proc.stderr

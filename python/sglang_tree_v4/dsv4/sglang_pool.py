@@ -68,7 +68,10 @@ def state_pool_class(window_widths: list[int], token_widths: list[int]) -> type:
                 raise ValueError("TREE_V4's DeepSeek-V4 state pool supports an unquantized, token-major KV cache "
                                  "only (--kv-cache-dtype auto/bfloat16/float32, no post-capture backing)")
             widths = widths_of.get(self.allocation_label)
-            if widths is None or self.layer_num != len(widths) or self.head_num != 1:
+            if widths is None:
+                raise ValueError("sglang-tree-v4's DeepSeek-V4 keeps its state in SGLang's hybrid sliding-window "
+                                 "KV pool, and SGLang is building a plain one: drop --disable-hybrid-swa-memory")
+            if self.layer_num != len(widths) or self.head_num != 1:
                 raise ValueError(f"the {self.allocation_label} pool was asked for {self.layer_num} layers x "
                                  f"{self.head_num} heads; our model needs the hybrid pool's {WINDOW_LABEL} "
                                  f"{len(window_widths)} and {TOKEN_LABEL} {len(token_widths)} layers x 1 head")
