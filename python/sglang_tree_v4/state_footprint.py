@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_pool import TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window
+from .dsv4.sglang_pool import TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window, token_layer_widths
 from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
 from .speculative.mtp_drafter import round_slots
 from .speculative.model_override import sglang_config
@@ -78,8 +78,9 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> d
     pattern = pool_config.hybrid_layer_pattern
     add("window", "v_column", pattern.count(1) * pool_config.num_key_value_heads * pool_config.swa_v_head_dim)
     add("token", "v_column", pattern.count(0) * pool_config.num_key_value_heads * pool_config.v_head_dim)
-    if pattern.count(0) > sum(1 for lay in model_token_layouts(cfg) if lay.width):  # the placeholder layer
-        add("token", "placeholder", 1)
+    pieces = sum(lay.width for lay in model_token_layouts(cfg))
+    if sum(token_layer_widths(cfg)) > pieces:  # the placeholder layer of a model without compressed layers
+        add("token", "placeholder", sum(token_layer_widths(cfg)) - pieces)
     return kinds
 
 

@@ -1,8 +1,8 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
 SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
-target layer's window row (window key, compressor rows, a draft node's entries; see ``storage``), the last block's
-streams before the HC head (the MTP's hidden input, needed again when the MTP catches up) and the MTP layer's row;
+target layer's window row (window key, compressor rows; see ``storage``), the last block's streams before the HC
+head (the MTP's hidden input, needed again when the MTP catches up) and the MTP layer's row;
 token layers hold the entries, in the rows of the tokens that closed their blocks. Everything per token therefore
 lives in SGLang's own KV buffers, so its allocator, SWA eviction, radix cache and accepted-token move
 (``move_kv_cache``) carry all of it.

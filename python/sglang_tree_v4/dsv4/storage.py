@@ -137,19 +137,23 @@ class SlotStore:
             return self.buffers, *window, True
         return self.token_buffers, *self.token_layouts[layer].pieces[piece], False
 
-    def index(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of ``view(layer, piece)`` holding token ``slots`` (``-1`` stays ``-1``)."""
-        if self.window_index is None or not self._where(layer, piece)[3]:
+    def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Window rows of token ``slots`` (``-1`` stays ``-1``)."""
+        if self.window_index is None:
             return slots
         return torch.where(slots >= 0, self.window_index[slots.clamp(min=0)].to(slots.dtype), -1)
+
+    def index(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``view(layer, piece)`` holding token ``slots`` (``-1`` stays ``-1``)."""
+        return self._window_rows(slots) if self._where(layer, piece)[3] else slots
 
     def view(self, layer: int, piece: str) -> torch.Tensor:
         bufs, off, w, _ = self._where(layer, piece)
         return bufs[layer][:, off:off + w]
 
     def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-        bufs, off, w, _ = self._where(layer, piece)
-        rows = self.index(layer, piece, slots)
+        bufs, off, w, window = self._where(layer, piece)
+        rows = self._window_rows(slots) if window else slots
         buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
             cols = torch.arange(off, off + w, device=buf.device)
@@ -159,18 +163,15 @@ class SlotStore:
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
-        bufs, off, w, _ = self._where(layer, piece)
-        rows = self.index(layer, piece, slots)
+        bufs, off, w, window = self._where(layer, piece)
+        rows = self._window_rows(slots) if window else slots
         got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole rows (every layer, every piece, window and token rows) ``src[i] -> dst[i]``: the
         accepted-token move, as SGLang's ``move_kv_cache`` does it."""
-        if self.window_index is not None:
-            s, d = self.window_index[src], self.window_index[dst]
-        else:
-            s, d = src, dst
+        s, d = self._window_rows(src), self._window_rows(dst)
         for b in self.buffers:
             b[d] = b[s]
         for b in self.token_buffers:
@@ -181,7 +182,7 @@ class SlotStore:
 
     def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """Window rows then token rows at ``slots``, every layer (copies)."""
-        w = self.window_index[slots] if self.window_index is not None else slots
+        w = self._window_rows(slots)
         return [b[w].clone() for b in self.buffers] + [b[slots].clone() for b in self.token_buffers]
 
     def checksum(self, slots: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -278,4 +279,3 @@ class ForwardBatch:
         if key not in self.memo_:
             self.memo_[key] = fn()
         return self.memo_[key]
-
