@@ -195,26 +195,30 @@ def test_footprint_of_the_published_v4_flash_config():
 
 def test_footprint_state_of_the_published_v4_flash_config():
     """The state part of the report at V4-Flash shapes, bf16, measured from the hybrid pool the server builds.
-    A token row holds the entries (21 CSA: 512 + index key 128; 20 HCA: 512) plus one V column per layer: 47,442
-    bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the widest,
-    273,754 unpadded). A window row holds the rest -- keys (43 layers + MTP, 512), compressor rows (CSA 2 x 1024 +
-    2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096) -- and a request holds at most 129 retained + 128
-    (SGLang's eviction interval) + 17 draft-tree window rows. The split by kind adds up; upstream's fp8 layout needs
-    about 3.85 KB per token. The gap is the rest of the lean-state work (issue 15); ``--kv-cache-dtype fp8_e4m3`` is
-    refused, naming the flag."""
+    Pages are 128 slots (whole CSA and HCA blocks), so a token slot's share of the entries is one CSA entry (512 +
+    index key 128) per 4 slots in 21 layers and one HCA entry (512) per 128 in 20, plus one V column per layer:
+    6,962 bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the
+    widest, 273,754 unpadded, 47,442 with a full entry row per token). A window row holds the rest -- keys (43
+    layers + MTP, 512), compressor rows (CSA 2 x 1024 + 2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096)
+    -- and a request holds at most 256 + 127 window rows (SGLang keeps the retained window of 129 rounded up to whole
+    pages, and frees whole pages) + 17 for the draft tree, 17 + 127 token slots beyond its committed tokens
+    (reservation, last page) and 8 scratch rows (one entry of every layer per draft node). The split by kind adds up; upstream's fp8 layout needs about 3.85 KB per token.
+    ``--kv-cache-dtype fp8_e4m3`` is refused, naming the flag."""
     from pathlib import Path
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
-    token_row = (21 * (512 + 128) + 20 * 512 + 41) * 2
+    token = (21 * (512 + 128) // 4 + 20 * 512 // 128 + 41) * 2
     window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) + 20 * 2 * 512 + 4 * 4096 + 45) * 2
-    assert r["state_bytes_per_token"] == token_row == 47_442 and r["window_row_bytes"] == window_row
+    scratch_row = (21 * (512 + 128) + 20 * 512) * 2
+    assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row
+    assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row
     assert r["draft_tree_slots_per_request"] == 8 + 3 * 3  # the default D=8 K=3 S=4 tree's reservation
-    assert r["window_rows_per_request"] == 129 + 128 + 17
-    assert r["state_bytes_per_request"] == 274 * window_row + 17 * token_row + 131072 * 4
+    assert r["window_rows_per_request"] == 256 + 127 + 17
+    assert r["state_bytes_per_request"] == 400 * window_row + (17 + 127) * token + 8 * scratch_row + 131072 * 4
     kinds = r["state_bytes_by_kind"]
     assert sum(v for k, v in kinds.items() if k != "req_to_token") == (
-        token_row * (r["state_tokens"] + 64 * 17) + window_row * 64 * 274)
-    assert kinds["compressed_entries"] == (21 * 640 + 20 * 512) * 2 * (1_000_000 + 64 * 17)
+        token * (r["state_tokens"] + 64 * 144) + window_row * 64 * 400 + 64 * 8 * scratch_row)
+    assert kinds["compressed_entries"] == (21 * 640 // 4 + 20 * 512 // 128) * 2 * (1_000_000 + 64 * 144)
     assert r["state_bytes"] == 1_000_000 * r["state_bytes_per_token"] + 64 * r["state_bytes_per_request"]
     assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
     import subprocess
@@ -238,30 +242,42 @@ def test_footprint_names_a_tp_that_does_not_divide():
 def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
     """SGLang decides how many tokens fit a memory budget from the config our override hands it (per half of the
     hybrid pool: layers x (head_dim + v_head_dim), window layers with the ``swa_`` values); the pool our hook builds
-    instead carves each layer at its own width. The two agree to less than one column per layer, so the tokens SGLang
-    fits follow the real bytes; the pool's buffers are those widths, and a move carries whole rows."""
+    instead carves each layer at its own width and, for the entries, one row per block of its ratio. The two agree
+    to less than one column per layer, so the tokens SGLang fits follow the real bytes; the window buffers are those
+    widths and a move carries whole window rows; the entry buffers have a row per block and the scratch, and a move
+    leaves them alone (the worker commits accepted entries). A page size that splits a block is refused."""
     from pathlib import Path
 
     import torch
 
     from sglang_tree_v4.dsv4.config import DSV4Config
-    from sglang_tree_v4.dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
-                                                 token_layer_widths, window_layer_widths)
+    from sglang_tree_v4.dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, state_page_size,
+                                                 token_columns_per_slot, token_layer_ratios, token_layer_widths,
+                                                 window_layer_widths)
     from sglang_tree_v4.speculative.model_override import sglang_config
     raw = json.loads((Path(__file__).resolve().parents[1] / config).read_text())
     cfg = DSV4Config.from_dict(raw)
     pc, window, token = sglang_config(raw), window_layer_widths(cfg), token_layer_widths(cfg)
     assert pc.is_hybrid_swa and pc.hybrid_layer_pattern == [1] * len(window) + [0] * len(token)
     assert pc.num_hidden_layers == len(window) + len(token) and pc.sliding_window > cfg.window
-    for widths, hd, vd in ((window, pc.swa_head_dim, pc.swa_v_head_dim), (token, pc.head_dim, pc.v_head_dim)):
+    per_slot = token_columns_per_slot(cfg)
+    for widths, hd, vd in ((window, pc.swa_head_dim, pc.swa_v_head_dim), (per_slot, pc.head_dim, pc.v_head_dim)):
         real = sum(widths) + len(widths) * vd
         assert 0 <= len(widths) * (hd + vd) - real < len(widths)
-    assert sum(token) < sum(window) / 4  # what every token keeps is a small part of what a window position needs
-    pool_class = model_state_pool_class(cfg)
+    page, ratios, scratch = state_page_size(cfg), token_layer_ratios(cfg), 6
+    assert all(page % r == 0 for r in ratios)
+    pool_class = model_state_pool_class(cfg, scratch)
     for label, widths, hd in ((WINDOW_LABEL, window, pc.swa_head_dim), (TOKEN_LABEL, token, pc.head_dim)):
-        pool = pool_class(size=4, page_size=1, dtype=torch.float32, head_num=1, head_dim=hd, layer_num=len(widths),
-                          device="cpu", enable_memory_saver=False, allocation_label=label)
+        pool = pool_class(size=4 * page, page_size=page, dtype=torch.float32, head_num=1, head_dim=hd,
+                          layer_num=len(widths), device="cpu", enable_memory_saver=False, allocation_label=label)
         assert [b.shape[-1] for b in pool.k_buffer] == widths and all(b.shape[-1] == 1 for b in pool.v_buffer)
         pool.k_buffer[-1][2] = 7.0
-        pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))  # every layer's whole row, whatever its width
-        assert bool((pool.k_buffer[-1][3] == 7.0).all())
+        pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))
+        if label == WINDOW_LABEL:  # every layer's whole row, whatever its width
+            assert bool((pool.k_buffer[-1][3] == 7.0).all())
+        else:
+            assert [b.shape[0] for b in pool.k_buffer] == [5 * page // r + scratch for r in ratios]
+            assert not bool((pool.k_buffer[-1][3] == 7.0).any())
+    with pytest.raises(ValueError, match="--page-size"):
+        pool_class(size=4 * page, page_size=page // 2, dtype=torch.float32, head_num=1, head_dim=pc.head_dim,
+                   layer_num=len(token), device="cpu", enable_memory_saver=False, allocation_label=TOKEN_LABEL)

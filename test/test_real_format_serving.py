@@ -105,8 +105,8 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
                            capture_output=True, text=True, timeout=300, env=launcher.clean_env())
     dense_bytes = json.loads(dense.stdout.strip().splitlines()[-1])["param_bytes_per_rank"]
     assert tp1["param_bytes_per_rank"] < 0.6 * dense_bytes, (tp1, dense_bytes)
-    # The state: SGLang logs the two halves of the hybrid pool it allocated (GiB, two decimals): token rows and
-    # window rows; the report's bytes per token row and per window row predict them.
+    # The state: SGLang logs the two halves of the hybrid pool it allocated (GiB, two decimals): the entries (a row
+    # per block) and window rows; the report's bytes per token slot and per window row predict them.
     log = servers["published"].log.read_text()
     pattern = r"(Full|SWA) KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB"
     alloc = {m[0]: (int(m[1]), float(m[2]) + float(m[3])) for m in re.findall(pattern, log)}
@@ -114,7 +114,8 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
     report = footprint("--tokens", "1")
     for half, row in (("Full", report["state_bytes_per_token"]), ("SWA", report["window_row_bytes"])):
         rows, gib = alloc[half]
-        assert abs((rows + 1) * row / 2**30 - gib) <= 0.011, (half, rows, row, gib)  # + 1: SGLang's padding row
+        pad = report["page_size"]  # SGLang's padding page
+        assert abs((rows + pad) * row / 2**30 - gib) <= 0.011, (half, rows, row, gib)
     assert report["window_row_bytes"] > 4 * report["state_bytes_per_token"]  # most state is window-only
 
 

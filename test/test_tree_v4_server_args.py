@@ -82,3 +82,24 @@ def test_a_plain_kv_pool_is_refused_naming_the_flag():
                           env=srv.clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "drop --disable-hybrid-swa-memory" in proc.stdout + proc.stderr
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("algorithm", [[], ["--speculative-algorithm", "TREE_V4"]], ids=["plain", "tree"])
+def test_a_page_that_splits_a_compression_block_is_refused(algorithm):
+    """Entries are kept a row per block of each ratio, which needs pages of whole blocks (the embedded model: ratios
+    4 and 16, pages of 16 by default); ``--page-size 8`` stops the launcher naming the flag."""
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(EMBEDDED),
+                           "--page-size", "8", *algorithm, "--port", str(srv.free_port())],
+                          env=srv.clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--page-size 8" in proc.stdout + proc.stderr and "multiple of 16" in proc.stdout + proc.stderr
+
+
+def test_default_page_holds_whole_blocks():
+    from sglang_tree_v4.dsv4.config import DSV4Config, read_checkpoint_config
+    from sglang_tree_v4.dsv4.sglang_pool import check_page_size
+    cfg = DSV4Config.from_dict(read_checkpoint_config(str(EMBEDDED)))
+    assert check_page_size(cfg, None) == 16 and check_page_size(cfg, 64) == 64
+    with pytest.raises(ValueError, match="--page-size 4"):
+        check_page_size(cfg, 4)

@@ -1,7 +1,8 @@
 """A whole TREE_V4 verify step with no host synchronisation and no data-dependent shape, proven on the CPU.
 
 The step (``dsv4.verify_step``: target forward over trees that cross CSA and HCA block boundaries, greedy and
-stochastic acceptance, accepted-path state writes), one MTP draft step and a whole EAGLE-2 draft after the root's
+stochastic acceptance, accepted-path state writes; and the server's verify forward over its pool layout -- entries
+a row per block, draft-tree scratch -- with the accepted entries' commit), one MTP draft step and a whole EAGLE-2 draft after the root's
 (``build_draft_tree``: further MTP steps and the rerank) run with every tensor on the ``meta``
 device -- weights, pools, request tables, trees, coins. Meta tensors refuse ``item``, ``tolist``, ``bool``,
 ``nonzero``, ``unique`` and boolean-mask indexing, so a step that completes there reads nothing back to the host and
@@ -23,7 +24,9 @@ from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.mtp import new_mtp_store, new_streams_store
 from sglang_tree_v4.dsv4.quantize import build_model
 from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable, StepCaps
+from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, verify_table
+from sglang_tree_v4.dsv4.sglang_pool import entry_ratios
+from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, StepCaps
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
 from sglang_tree_v4.dsv4.weights import load_model
@@ -78,6 +81,19 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
         shapes[name] = (tuple(out.logits.shape), tuple(out.verdict.accepted_nodes.shape),
                         tuple(out.verdict.accept_lens.shape))
         assert out.logits.is_meta and out.verdict.tokens.is_meta
+    # The server's verify forward over its pool layout: entries one row per block of each ratio and the tree
+    # scratch (nodes out of their own slot, ``tree_entry_slots``), then the accepted entries' commit.
+    paged = SlotStore(store.layouts, slots, dt, "meta", token_layouts=store.token_layouts,
+                      window_index=window_index, entry_ratios=entry_ratios(cfg), scratch_rows=B * D)
+    mask = torch.empty(B * D * D, dtype=torch.bool, device="meta")
+    out_slots = torch.empty(B * D, dtype=torch.long, device="meta")
+    table, entry_out = verify_table(req_table, lens, mask, out_slots, D)
+    fb = ForwardBatch(torch.empty(B * D, dtype=torch.long, device="meta"), torch.empty_like(out_slots), out_slots,
+                      table, caps, entry_out)
+    logits = model(fb, paged).logits
+    commit_accepted_entries(paged, torch.empty(B, D, dtype=torch.long, device="meta"), req_table, lens, D)
+    assert logits.is_meta and all(b.is_meta for b in paged.token_buffers)
+    shapes["server_verify"] = tuple(logits.shape)
     # One MTP draft step: K frontier nodes per request at depth 1, reading the committed rows and their ancestors.
     drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, D, K)
     step = DraftStep(step=1, tokens=torch.empty(B, K, dtype=torch.long, device="meta"),
@@ -120,6 +136,7 @@ def test_step_runs_on_meta_embedded_config(bucket):
     shapes = run_step_on_meta(model, B, D, K, caps)
     V = model.cfg.vocab_size
     assert shapes["greedy"] == shapes["sampled"] == ((B, D, V), (B, D), (B,))
+    assert shapes["server_verify"] == (B * D, V)
     assert shapes["draft"] == ((B, K, V), (B, K, K))
     assert shapes["tree"] == (B, D)
 
@@ -132,6 +149,7 @@ def test_step_runs_on_meta_v4_flash_config():
     model = build_model(cfg, raw, dtype=torch.bfloat16, device="meta")
     shapes = run_step_on_meta(model, 2, 8, 4, StepCaps(cfg.max_position_embeddings))
     assert shapes["greedy"] == ((2, 8, 129280), (2, 8), (2,))
+    assert shapes["server_verify"] == (16, 129280)
     assert shapes["draft"] == ((2, 4, 129280), (2, 4, 4))
     assert shapes["tree"] == (2, 8)
 

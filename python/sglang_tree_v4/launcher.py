@@ -9,6 +9,7 @@ stopping it also stops the scheduler and detokenizer processes it spawned.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,8 +23,27 @@ import requests
 _SGLANG_VARS = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH")
 
 
+# Ports handed to servers: below the kernel's ephemeral range (which outgoing connections draw from, so a port picked
+# there can be taken before the server binds it) and above the range SGLang picks its own later-bound ports from.
+SERVER_PORTS = range(30000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port that is free now and that no outgoing connection will take before the server binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    ports = [p for p in SERVER_PORTS if p < ephemeral_low]
+    for port in random.sample(ports, min(64, len(ports))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole range busy: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -1,19 +1,21 @@
 """The attention state our server holds per token and per running request, and what upstream SGLang would hold.
 
 Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
-sliding-window pool (``dsv4.sglang_pool``): a *token row* per token slot (the entries, in the rows of block-closing
-tokens) and a *window row* per position of each request's last window (keys, compressor rows, the MTP's streams and
-keys). This module measures both the way the server allocates them -- the pool class the server builds, with the
-arguments SGLang derives from the config our model override hands it (``sglang_config``), at two small sizes, so
-the slopes are the pool's real bytes per row and not a formula -- and splits them into kinds from our layouts
-(the split must add up to the measured rows).
+sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
+``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
+*window row* per position of each request's last window (keys, compressor rows, the MTP's streams and keys), plus
+the draft trees' entry scratch (D rows per running request in each compressed layer). This module measures them
+the way the server allocates them -- the pool class the server builds, with the arguments SGLang derives from the
+config our model override hands it (``sglang_config``), at two sizes and with and without scratch, so the slopes
+are the pool's real bytes and not a formula -- and splits them into kinds from our layouts (the split must add up
+to the measured bytes).
 
-Per token: one token row. Per running request: the window rows it holds -- SGLang frees a position's window row
-once it is ``retained_window`` behind the newest and at least ``SWA_EVICTION_INTERVAL`` positions can go at once,
-so up to ``retained_window + interval`` committed positions, plus the draft-tree slots the worker reserves beyond
-the committed length (``D + K (S - 1)``: window and token rows) -- and one ``req_to_token`` row (int32 per position
-of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the
-report gives the rows the running requests need.
+Per token: its share of the entry rows. Per running request: the window rows it holds (``window_rows_held``), plus
+the draft-tree slots the worker reserves beyond the committed length (``D + K (S - 1)``), its last page's unused
+slots (at most ``page - 1``), its D rows of entry scratch, and one ``req_to_token`` row (int32 per position of the
+context length). SGLang provisions the
+window rows as ``--swa-full-tokens-ratio`` x the token slots; the report gives the rows the running requests
+need.
 
 Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
 + 8 scale bytes, CSA index keys of ``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens;
@@ -26,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_pool import TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window, token_layer_widths
+from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window,
+                               state_page_size, token_layer_ratios, token_layer_widths)
 from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
 from .speculative.mtp_drafter import round_slots
 from .speculative.model_override import sglang_config
@@ -35,30 +38,34 @@ KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compress
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "entry": "compressed_entries",
                  "ientry": "compressed_entries"}
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
-SWA_EVICTION_INTERVAL = 128  # SGLang's default SGLANG_SWA_EVICTION_INTERVAL
 
 
-def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes per row of each half of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang
-    passes from ``pool_config``), from two real allocations: ``{"token": ..., "window": ...}``."""
-    pool_class = model_state_pool_class(cfg)
+def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, float]:
+    """Bytes of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes from
+    ``pool_config``, at its page size), from real allocations: ``{"token": per token slot, "window": per window
+    row, "scratch": per draft-node scratch row}``."""
+    page = state_page_size(cfg)
     pattern = pool_config.hybrid_layer_pattern
     heads = pool_config.num_key_value_heads
 
-    def total(label: str, layers: int, head_dim: int, rows: int) -> int:
-        pool = pool_class(size=rows, page_size=1, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
-                          device="cpu", enable_memory_saver=False, allocation_label=label)
+    def total(label: str, layers: int, head_dim: int, slots: int, scratch: int = 0) -> int:
+        pool = model_state_pool_class(cfg, scratch)(
+            size=slots, page_size=page, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
+            device="cpu", enable_memory_saver=False, allocation_label=label)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
 
     out = {}
     for kind, label, layers, hd in (("token", TOKEN_LABEL, pattern.count(0), pool_config.head_dim),
                                     ("window", WINDOW_LABEL, pattern.count(1), pool_config.swa_head_dim)):
-        out[kind] = (total(label, layers, hd, 16) - total(label, layers, hd, 8)) // 8
+        out[kind] = (total(label, layers, hd, 16 * page) - total(label, layers, hd, 8 * page)) / (8 * page)
+    hd = pool_config.head_dim
+    out["scratch"] = (total(TOKEN_LABEL, pattern.count(0), hd, 8 * page, 4)
+                      - total(TOKEN_LABEL, pattern.count(0), hd, 8 * page)) / 4
     return out
 
 
-def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, dict[str, int]]:
-    """One token row's and one window row's bytes split by what they hold; ``v_column`` is the one-column V buffer
+def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """A token slot's and a window row's bytes split by what they hold; ``v_column`` is the one-column V buffer
     SGLang allocates per layer and nothing uses."""
     size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, dict[str, int]] = {"token": {}, "window": {}}
@@ -69,9 +76,11 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> d
     for layout in model_layouts(cfg):
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w)
+    ratios = iter(token_layer_ratios(cfg))
     for layout in model_token_layouts(cfg):
+        r = next(ratios) if layout.width else 1
         for piece, (_, w) in layout.pieces.items():
-            add("token", KIND_OF_PIECE[piece], w)
+            add("token", KIND_OF_PIECE[piece], w / r)
     add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
     for layout in mtp_layouts(cfg):
         add("window", "mtp_window_kv", layout.pieces["k"][1])
@@ -82,6 +91,19 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> d
     if sum(token_layer_widths(cfg)) > pieces:  # the placeholder layer of a model without compressed layers
         add("token", "placeholder", sum(token_layer_widths(cfg)) - pieces)
     return kinds
+
+
+def window_rows_held(cfg: DSV4Config) -> int:
+    """Most committed positions whose window rows a running request holds. SGLang frees a request's window rows once
+    at least ``SGLANG_SWA_EVICTION_INTERVAL`` of them are ``retained_window`` (W) behind the newest, down to whole
+    pages and keeping ``max(W, page)`` rounded up to whole pages (so a radix match at a page boundary still has its
+    window): just before a free that is ``W + interval`` positions, just after one up to that rounded window plus a
+    page."""
+    from sglang.srt.environ import envs
+
+    w, page = retained_window(cfg), state_page_size(cfg)
+    kept = -(-max(w, page) // page) * page
+    return max(w + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1)
 
 
 def upstream_estimate(cfg: DSV4Config, draft_tokens: int) -> dict[str, float]:
@@ -106,24 +128,33 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     row = measured_bytes_per_row(cfg, pool_config, dtype)
     kinds = bytes_per_row_by_kind(cfg, pool_config, dtype)
     for kind in ("token", "window"):
-        if sum(kinds[kind].values()) != row[kind]:
+        if abs(sum(kinds[kind].values()) - row[kind]) > 1e-6:
             raise AssertionError(f"the split of a {kind} row ({sum(kinds[kind].values())} B) is not the pool's "
                                  f"({row[kind]} B)")
+    entry_row = sum(token_layer_widths(cfg)) * torch.empty((), dtype=dtype).element_size()
+    if row["scratch"] != entry_row:
+        raise AssertionError(f"a scratch row ({row['scratch']} B) is not one entry row of every layer ({entry_row} B)")
+    page = state_page_size(cfg)
     tree_slots = round_slots(draft_tokens, topk, steps)
-    window_rows = retained_window(cfg) + SWA_EVICTION_INTERVAL + tree_slots
-    per_request = window_rows * row["window"] + tree_slots * row["token"] + context_len * 4
-    by_kind: dict[str, int] = {}
-    for kind, count in (("token", tokens + requests * tree_slots), ("window", requests * window_rows)):
+    window_rows = window_rows_held(cfg) + tree_slots
+    token_slots = tree_slots + page - 1  # beyond its committed tokens: the reservation and its last page's tail
+    per_request = (window_rows * row["window"] + token_slots * row["token"] + draft_tokens * row["scratch"]
+                   + context_len * 4)
+    by_kind: dict[str, float] = {}
+    for kind, count in (("token", tokens + requests * token_slots), ("window", requests * window_rows)):
         for name, b in kinds[kind].items():
             by_kind[name] = by_kind.get(name, 0) + b * count
+    by_kind["tree_scratch"] = requests * draft_tokens * row["scratch"]
     by_kind["req_to_token"] = requests * context_len * 4
+    by_kind = {k: round(v) for k, v in by_kind.items()}
     upstream = upstream_estimate(cfg, draft_tokens)
     return {
         "state_bytes_per_token": row["token"],
-        "state_bytes_per_request": per_request,
+        "state_bytes_per_request": round(per_request),
         "state_bytes_by_kind": by_kind,
-        "state_bytes": row["token"] * tokens + per_request * requests,
+        "state_bytes": round(row["token"] * tokens + per_request * requests),
         "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": tree_slots,
+        "page_size": page, "tree_scratch_bytes_per_request": draft_tokens * row["scratch"],
         "window_rows_per_request": window_rows, "window_row_bytes": row["window"],
         "context_len": context_len, "kv_cache_dtype": str(dtype).removeprefix("torch."),
         "upstream_fp8_state_bytes_per_token": round(upstream["state_bytes_per_token"], 1),

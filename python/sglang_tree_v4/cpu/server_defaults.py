@@ -2,9 +2,11 @@
 
 Without a GPU, SGLang sizes the KV pool as a fraction of the machine's RAM: on a 24 GiB machine
 that is ~15 GiB and ~30 s of allocation for a model of a few MB. A fixed token budget is the
-sensible default on a CPU; ``--max-total-tokens`` still overrides it. Our DeepSeek-V4 runs in float32 on a CPU
+sensible default on a CPU; ``--max-total-tokens`` still overrides it, and ``--mem-fraction-static`` asks for
+SGLang's memory-sized pool instead. Our DeepSeek-V4 runs in float32 on a CPU
 (half precision is slow there and the losslessness tests compare against float32 references); ``--dtype`` still
-overrides it; its window rows get half the token budget (``--swa-full-tokens-ratio`` overrides it). Idle
+overrides it; its window rows get half the token budget (``--swa-full-tokens-ratio`` overrides it), and its pages
+are whole compression blocks (``--page-size``: a multiple of them, else startup stops naming the flag). Idle
 schedulers sleep instead of polling. Tensor parallelism on a CPU needs each rank's cores named; we split the
 available ones evenly.
 """
@@ -33,10 +35,11 @@ def cpu_binding(ranks: int) -> str:
 
 def apply_cpu_defaults(original, self, *args, **kwargs):
     """AROUND hook on ``ServerArgs.resolve_once``: fill CPU defaults, then resolve as usual."""
-    from ..dsv4.config import is_deepseek_v4, read_checkpoint_config
+    from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
+    from ..dsv4.sglang_pool import check_page_size
 
     if not getattr(self, "_resolution_finished", False):
-        if self.max_total_tokens is None:
+        if self.max_total_tokens is None and self.mem_fraction_static is None:  # no budget asked for
             self.max_total_tokens = DEFAULT_MAX_TOTAL_TOKENS
         # An idle scheduler busy-polls; on a CPU those cycles are taken from the model's own compute.
         self.sleep_on_idle = True
@@ -45,6 +48,9 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
             self.dtype = "float32"
         if v4 and self.swa_full_tokens_ratio is None:
             self.swa_full_tokens_ratio = CPU_SWA_FULL_TOKENS_RATIO
+        if v4:  # pages of whole compression blocks (``dsv4.sglang_pool``)
+            self.page_size = check_page_size(DSV4Config.from_dict(read_checkpoint_config(self.model_path)),
+                                             self.page_size)
         if (self.tp_size or 1) > 1:
             os.environ.setdefault(THREADS_BIND_ENV, cpu_binding(self.tp_size))
     return original(self, *args, **kwargs)

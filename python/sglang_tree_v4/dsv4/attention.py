@@ -3,8 +3,8 @@
 Query i at position p attends, with one softmax that also includes a learned per-head sink logit:
 
 * the window keys of positions ``[p - W + 1, p]`` (K = V, one shared head), resolved through its slot table;
-* CSA/HCA layers: compressed entries ``e < (p + 1) // r`` read from the slots of positions ``r*e + r - 1`` --
-  all of them for HCA, the indexer's top-k of them for CSA.
+* CSA/HCA layers: compressed entries ``e < (p + 1) // r`` read from where the tokens at positions ``r*e + r - 1``
+  put them (``SlotStore``) -- all of them for HCA, the indexer's top-k of them for CSA.
 
 Before reading, every query writes its own key and compressor rows to its own slot, then block-closing queries
 write their entries: that order lets queries of one forward (a prefill chunk, a draft tree) read each other
@@ -81,10 +81,11 @@ class Attention(nn.Module):
             r = self.ratio
             if self.indexer is not None:  # CSA: only the selected entries' slots are looked up
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
-                ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1), -1)
+                ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1)
             else:  # HCA: every visible entry (one per 128 positions)
                 ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             ent_store = store.view(layer, "entry")
+            ent_slots = store.index(layer, "entry", ent_slots)  # rows of the entry buffer
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
         o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
@@ -100,4 +101,4 @@ def _entry_slots(fb: ForwardBatch, r: int) -> torch.Tensor:
     counts = (fb.positions + 1) // r
     emax = fb.entry_width(r)
     e = torch.arange(emax, device=fb.positions.device).expand(len(counts), emax)
-    return torch.where(e < counts[:, None], fb.table.lookup(e * r + r - 1), -1)
+    return torch.where(e < counts[:, None], fb.table.lookup(e * r + r - 1, entries=True), -1)

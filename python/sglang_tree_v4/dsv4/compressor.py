@@ -58,9 +58,13 @@ class Compressor(nn.Module):
         rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
         ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), rows, col_off, ape,
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
-        out = fb.out_slots[closers]
+        out = fb.entry_out_slots[closers]
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
-            ent = torch.where(closes[:, None], ent.to(store.view(layer, entry).dtype), store.read(layer, entry, out))
+            if store.entry_ratios is None:  # a row per query: the others write their row's value back
+                ent = torch.where(closes[:, None], ent.to(store.view(layer, entry).dtype),
+                                  store.read(layer, entry, out))
+            else:  # a row per block, shared with the block's other queries: theirs go to slot 0's, never read
+                out = torch.where(closes, out, 0)
         store.write(layer, entry, out, ent)
 
 
@@ -118,7 +122,7 @@ class Indexer(nn.Module):
         for e0 in range(0, emax, step):
             cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
             valid = cand < n_vis[:, None]
-            keys = store.read(layer, "ientry", torch.where(valid, fb.table.lookup(cand * 4 + 3), -1))
+            keys = store.read(layer, "ientry", torch.where(valid, fb.table.lookup(cand * 4 + 3, entries=True), -1))
             s = torch.relu(torch.einsum("nhd,ned->nhe", q, keys.float())) * self.head_dim ** -0.5
             score = (s * w.unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
             best_score, best_idx = torch.cat([best_score, score], 1), torch.cat([best_idx, cand], 1)

@@ -3,9 +3,11 @@
 SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
 target layer's window row (window key, compressor rows; see ``storage``), the last block's streams before the HC
 head (the MTP's hidden input, needed again when the MTP catches up) and the MTP layer's row;
-token layers hold the entries, in the rows of the tokens that closed their blocks. Everything per token therefore
-lives in SGLang's own KV buffers, so its allocator, SWA eviction, radix cache and accepted-token move
-(``move_kv_cache``) carry all of it.
+entry layers hold one row per block of each compressed layer's ratio (pages are whole blocks, so a slot's block
+row is ``slot // r``) and the draft trees' scratch. Everything per token therefore lives in SGLang's own KV
+buffers, so its allocator, SWA eviction and radix cache carry all of it; its accepted-token move
+(``move_kv_cache``) moves the window rows, and the worker copies accepted entries out of the scratch
+(``commit_tree_entries``).
 
 The forward maps SGLang's batch onto our slot tables: extend / decode queries read their request's ``req_to_token``
 row; target-verify queries (draft-tree nodes) read the committed row below the committed length and their own
@@ -26,7 +28,7 @@ from torch import nn
 from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
-from .sglang_pool import window_layer_widths
+from .sglang_pool import entry_ratios, window_layer_widths
 from .storage import (SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, model_token_layouts,
                       mtp_layouts, streams_layouts)
 from .weights import StreamingLoader, iter_safetensors
@@ -53,14 +55,44 @@ def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: 
     return table[..., :n].reshape(bs * n, n)
 
 
+def tree_entry_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:
+    """Where each draft node's compressed entries go: node ``i`` of a request sits in the slot reserved for position
+    ``committed + i`` and is at position ``committed + depth``, so where ``depth == i`` (the root, a chain, a tree's
+    first branch) its slot is its position's own and the entry goes to the canonical row; any other node's entry
+    goes to tree scratch row ``q`` (its index in the forward), written ``-2 - q`` (``storage.SlotStore``)."""
+    depth = custom_mask.view(bs, n, n).bool().sum(-1) - 1
+    own = depth == torch.arange(n, device=depth.device)
+    q = torch.arange(bs * n, device=depth.device)
+    return torch.where(own.flatten(), out_slots.long(), -2 - q)
+
+
 def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: torch.Tensor,
-                 out_slots: torch.Tensor, n: int) -> SlotTable:
-    """Slot table of a target-verify forward of ``n`` draft nodes per request: the committed row below each
-    request's committed length, the node's own ancestors' verify slots above it."""
+                 out_slots: torch.Tensor, n: int) -> tuple[SlotTable, torch.Tensor]:
+    """Slot table of a target-verify forward of ``n`` draft nodes per request -- the committed row below each
+    request's committed length, the node's own ancestors' verify slots above it -- and where each node's entries
+    go (``tree_entry_slots``; the table's ``anc_entry`` holds the same for the ancestors)."""
     bs = committed.shape[0]
     query_req = torch.arange(bs, device=committed.device).repeat_interleave(n)
     anc = tree_ancestor_slots(custom_mask, out_slots, bs, n)
-    return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc)
+    entry_out = tree_entry_slots(custom_mask, out_slots, bs, n)
+    anc_entry = tree_ancestor_slots(custom_mask, entry_out, bs, n)
+    return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc, anc_entry), entry_out
+
+
+def commit_accepted_entries(store: SlotStore, accept_index: torch.Tensor, req_table: torch.Tensor,
+                            committed: torch.Tensor, draft_tokens: int) -> None:
+    """Copy the entries of accepted draft nodes that sat in tree scratch (``tree_entry_slots``) to the canonical
+    rows of their positions. ``accept_index [bs, A]``: flat node index (``b * draft_tokens + i``) of the j-th
+    accepted node, -1 past the accepted length; the j-th accepted node is at position ``committed + j`` and its
+    canonical slot is ``req_table[b, committed + j]``."""
+    bs, A = accept_index.shape
+    j = torch.arange(A, device=accept_index.device)
+    node = accept_index - torch.arange(bs, device=accept_index.device)[:, None] * draft_tokens
+    scratch = (accept_index >= 0) & (node != j)
+    positions = committed.long()[:, None] + j
+    dst = req_table.long().gather(1, positions.clamp(max=req_table.shape[1] - 1))
+    store.commit_entries(torch.where(scratch, -2 - accept_index, -1).flatten(),
+                         torch.where(scratch, dst, -1).flatten(), positions.flatten())
 
 
 FIXED_SHAPES_ENV = "SGLANG_TREE_V4_FIXED_SHAPES"  # "1": fixed shapes on any device, "0": never; unset: on CUDA
@@ -121,7 +153,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
     # --- storage over SGLang's KV pool ---------------------------------------------------------------------
     def stores(self) -> tuple[SlotStore, SlotStore | None, SlotStore]:
         """(target store, MTP store, streams store), views over the hybrid pool's K buffers (window layers first,
-        then one token layer per compressed layer) with SGLang's full-to-SWA mapping as the window index."""
+        then one entry layer per compressed layer: a row per block, then tree scratch) with SGLang's full-to-SWA
+        mapping as the window index."""
         if self._stores is None:
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
@@ -135,7 +168,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             common = dict(window_index=pool.full_to_swa_index_mapping)
             num_slots = pool.size + pool.page_size
             target = SlotStore(model_layouts(cfg), num_slots, buffers=window[:n], token_layouts=token_lays,
-                               token_buffers=token, **common)
+                               token_buffers=token, entry_ratios=entry_ratios(cfg), **common)
             streams = SlotStore(streams_layouts(cfg), num_slots, buffers=[window[n]], **common)
             mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common)
                    if len(self.model.mtp) else None)
@@ -156,21 +189,27 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         device = positions.device
         if mode.is_target_verify():
             n = forward_batch.spec_info.draft_token_num
-            table = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask, out_slots, n)
+            table, entry_out = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask,
+                                            out_slots, n)
             caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1], forward_batch.seq_lens_cpu)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))
             query_req = torch.arange(bs, device=device).repeat_interleave(counts.long())
             table = SlotTable.for_requests(req_table, query_req, positions)
-            caps = None
+            caps = entry_out = None
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
-        batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps)
+        batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps, entry_out)
         out = self.model(batch, store, logits_rows=no_rows).streams
         streams.write(0, "h", out_slots, out.flatten(1))
         self.last_streams = out
         final = self.model.norm(self.model.hc_head(out))
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)
+
+    def commit_tree_entries(self, accept_index: torch.Tensor, req_table: torch.Tensor, committed: torch.Tensor,
+                            draft_tokens: int) -> None:
+        """After SGLang's accepted-token move (``commit_accepted_entries``)."""
+        commit_accepted_entries(self.stores()[0], accept_index, req_table, committed, draft_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams the checkpoint into the model one tensor at a time. From a local folder the files are read

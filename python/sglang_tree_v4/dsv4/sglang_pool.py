@@ -1,25 +1,34 @@
-"""Our state in SGLang's hybrid sliding-window KV pool: window rows for the last window of positions, token rows for
-every committed token, each layer as wide as its own pieces.
+"""Our state in SGLang's hybrid sliding-window KV pool: window rows for the last window of positions, one entry row
+per compression block of every committed token range, each layer as wide as its own pieces.
 
 Why: most per-token state is needed only for a window -- window keys (``window`` positions back), compressor rows
 (one block back), the MTP's window keys and input streams (its catch-up reads at most a window back). Only the
-compressed entries are read for ever, and they sit in the rows of block-closing tokens. SGLang's hybrid SWA pool
-has exactly these two lifetimes: every token slot has a "full" row, and an "SWA" row (a second index space reached
-through ``full_to_swa_index_mapping``) that its scheduler frees once the position falls out of the window, while
-its radix cache keeps a cached prefix's last window (and matches a prefix only where that window is still there).
-Allocation, eviction, the radix cache and the accepted-token move (``move_kv_cache`` moves both rows) are
-SGLang's; this module only names the layers and carves the buffers.
+compressed entries are read for ever, one per ``r`` tokens. SGLang's hybrid SWA pool has the two lifetimes: every
+token slot has a "full" slot, and an "SWA" row (a second index space reached through ``full_to_swa_index_mapping``)
+that its scheduler frees once the position falls out of the window, while its radix cache keeps a cached prefix's
+last window (and matches a prefix only where that window is still there). Allocation, eviction and the radix cache
+are SGLang's; this module only names the layers and carves the buffers.
+
+Entries: SGLang's pages are whole blocks of every ratio (``state_page_size``), and a paged allocator puts position
+``p`` of a request at an offset ``p mod page`` of one of its pages, so the block of a slot is ``slot // r`` and the
+"full" half of the pool needs no per-token row at all: each compressed layer keeps one row per block of the slot
+range -- a page of 128 tokens holds 32 CSA and one HCA entry at V4-Flash -- and, after them, the draft trees'
+scratch rows (``scratch_rows``: running requests x D), where a draft node's entry goes unless the node sits in its
+position's own slot (``sglang_model.tree_entry_slots``). SGLang's ``move_kv_cache`` moves window rows only; the
+worker copies accepted entries out of the scratch.
 
 Pool layers (SGLang layer ids): first the window layers -- the target layers' window rows, the streams row, the
-MTP layers' rows -- then one token layer per compressed target layer. SGLang gives every layer of a sub-pool the
-same ``head_dim``; our pool class instead gives layer ``i`` its own width (``[slots, 1, width]`` K buffers,
-one-column V buffers, which SGLang insists on and nothing uses). SGLang sizes the pool before building it, from
-the config our override hands it: ``head_dim`` (full) and ``swa_head_dim`` (window) are the mean widths rounded up
-(``pool_head_dim``), so the tokens it fits into a memory budget follow the real bytes. Moves use SGLang's
-per-buffer native copy (its tiled GPU copy takes the first buffer's row width for all of them).
+MTP layers' rows -- then one entry layer per compressed target layer. SGLang gives every layer of a sub-pool the
+same ``head_dim``; our pool class instead gives layer ``i`` its own width and rows (K buffers ``[rows, 1, width]``,
+one-column V buffers per slot, which SGLang insists on and nothing uses). SGLang sizes the pool before building it,
+from the config our override hands it: ``head_dim`` (full) is the entry columns per token (``sum width / r``) and
+``swa_head_dim`` (window) the mean window width, each per layer and rounded up (``pool_head_dim``), so the tokens it
+fits into a memory budget follow the real bytes. Window moves use SGLang's per-buffer native copy (its tiled GPU
+copy takes the first buffer's row width for all of them).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +36,7 @@ import torch
 from .config import DSV4Config
 from .storage import model_layouts, model_token_layouts, mtp_layouts, streams_layouts
 
+logger = logging.getLogger(__name__)
 V_COLUMNS = 1  # the V buffer SGLang always allocates; nothing is stored in it
 WINDOW_LABEL, TOKEN_LABEL = "SWA", "Full"  # SGLang's allocation labels of the two sub-pools
 
@@ -37,14 +47,67 @@ def window_layer_widths(cfg: DSV4Config) -> list[int]:
 
 
 def token_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Token-row layers: one per compressed target layer (a model without any gets one 1-column layer, since
+    """Entry layers: one per compressed target layer (a model without any gets one 1-column layer, since
     SGLang's hybrid pool needs a full layer)."""
     return [lay.width for lay in model_token_layouts(cfg) if lay.width] or [1]
 
 
-def pool_head_dim(widths: list[int]) -> int:
-    """The common ``head_dim`` SGLang sizes a sub-pool with: the mean width, rounded up."""
+def entry_ratios(cfg: DSV4Config) -> list[int]:
+    """Compression ratio of every target layer (0: sliding window only), the ``SlotStore``'s ``entry_ratios``."""
+    return [cfg.compress_ratios[i] or 0 for i in range(cfg.num_layers)]
+
+
+def token_layer_ratios(cfg: DSV4Config) -> list[int]:
+    """Ratio of each entry layer (the placeholder layer: 1, one row per slot)."""
+    return [r for r, lay in zip(entry_ratios(cfg), model_token_layouts(cfg)) if lay.width] or [1]
+
+
+def state_page_size(cfg: DSV4Config) -> int:
+    """The smallest page that holds whole blocks of every ratio (SGLang's ``--page-size`` default for our model)."""
+    return math.lcm(*[r for r in cfg.compress_ratios if r], 1)
+
+
+def check_page_size(cfg: DSV4Config, page_size: int | None) -> int:
+    """The page size to serve with: ``state_page_size`` if none was asked for, the asked one if it is a multiple."""
+    need = state_page_size(cfg)
+    if page_size is None:
+        return need
+    if page_size % need:
+        raise ValueError(f"--page-size {page_size}: DeepSeek-V4's compressed entries need pages of whole blocks "
+                         f"of every compression ratio ({sorted(set(r for r in cfg.compress_ratios if r))}), "
+                         f"i.e. a multiple of {need}")
+    return page_size
+
+
+def token_columns_per_slot(cfg: DSV4Config) -> list[float]:
+    """Entry columns per token slot of each entry layer (width / ratio)."""
+    return [w / r for w, r in zip(token_layer_widths(cfg), token_layer_ratios(cfg))]
+
+
+def pool_head_dim(widths: list[float]) -> int:
+    """The common ``head_dim`` SGLang sizes a sub-pool with: the mean columns per slot, rounded up."""
     return math.ceil(sum(widths) / len(widths))
+
+
+def scratch_rows_of(server_args, max_requests: int | None) -> int:
+    """Tree scratch rows per entry layer: every running request's D draft nodes (none without TREE_V4). The
+    resolved speculative settings come from SGLang's runtime context where it has them (its server arguments can
+    still hold the user's unset values, e.g. no D for the adaptive budget)."""
+    spec = server_args
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        spec = get_spec()
+    except Exception:  # no runtime context (a pool built outside a server)
+        pass
+    algorithm = getattr(spec, "speculative_algorithm", None) or getattr(server_args, "speculative_algorithm", None)
+    if "TREE_V4" not in str(getattr(algorithm, "name", algorithm)):
+        return 0
+    draft = getattr(spec, "speculative_num_draft_tokens", None) or getattr(
+        server_args, "speculative_num_draft_tokens", None)
+    if not draft:
+        raise ValueError("TREE_V4's pool needs the speculative D (--speculative-num-draft-tokens) to size its scratch")
+    return (max_requests or server_args.max_running_requests or 0) * draft
 
 
 def retained_window(cfg: DSV4Config) -> int:
@@ -54,9 +117,11 @@ def retained_window(cfg: DSV4Config) -> int:
     return max([cfg.window] + [r for r in cfg.compress_ratios if r]) + 1
 
 
-def state_pool_class(window_widths: list[int], token_widths: list[int]) -> type:
+def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
+                     scratch_rows: int) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
-    whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label."""
+    whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
+    has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -78,15 +143,31 @@ def state_pool_class(window_widths: list[int], token_widths: list[int]) -> type:
             for name in ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
                          "dq_k_buffer", "dq_v_buffer"):
                 setattr(self, name, None)
-            rows = self.size + self.page_size  # slot 0 absorbs padded writes, as in SGLang's pool
+            slots = self.size + self.page_size  # slot 0 absorbs padded writes, as in SGLang's pool
+            entries = self.allocation_label == TOKEN_LABEL
+            if entries and any(self.page_size % r for r in token_ratios if r > 1):
+                raise ValueError(f"--page-size {self.page_size} is not a multiple of every compression ratio "
+                                 f"({sorted(set(token_ratios))})")
+            rows = [-(-slots // r) + (scratch_rows if r > 1 else 0) for r in token_ratios] if entries else (
+                [slots] * len(widths))
+            if entries:
+                logger.info("TREE_V4 entry rows: one per block of ratios %s over %d slots (pages of %d), plus %d "
+                            "draft-tree scratch rows per layer", sorted(set(token_ratios)), slots, self.page_size,
+                            scratch_rows)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-                self.k_buffer = [torch.zeros((rows, 1, w), dtype=self.store_dtype, device=self.device)
-                                 for w in widths]
-                self.v_buffer = [torch.zeros((rows, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
+                self.k_buffer = [torch.zeros((n, 1, w), dtype=self.store_dtype, device=self.device)
+                                 for n, w in zip(rows, widths)]
+                self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
             self.use_native_move_kv_cache = True
             self._kv_buffer_descs = self._build_kv_buffer_descs()
             self._init_data_ptrs_and_strides()
+
+        def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
+            """Window rows move with their slots; entry rows are per block, and the worker copies accepted entries
+            out of the tree scratch itself (``commit_tree_entries``)."""
+            if self.allocation_label != TOKEN_LABEL:
+                super().move_kv_cache(tgt_loc, src_loc)
 
         def _build_kv_buffer_descs(self):
             size = self.store_dtype.itemsize
@@ -96,5 +177,5 @@ def state_pool_class(window_widths: list[int], token_widths: list[int]) -> type:
     return TreeV4StatePool
 
 
-def model_state_pool_class(cfg: DSV4Config) -> type:
-    return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg))
+def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0) -> type:
+    return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg), token_layer_ratios(cfg), scratch_rows)

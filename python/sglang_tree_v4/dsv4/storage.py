@@ -5,8 +5,9 @@ compressor rows (kv and score, before the slot bias), for CSA also its indexer-c
 of a token that closes a compression block, i.e. position ``t`` with ``(t + 1) % r == 0`` -- the compressed entry
 it produced (for CSA also the index key). A layer's pieces are column ranges of its rows, in two kinds by how long
 they are read: *window rows* (keys and compressor rows: only the last window of positions) and *token rows*
-(entries: for ever). SGLang's hybrid sliding-window pool holds the two kinds (``sglang_pool``), frees window rows
-that fall out of the window, and its whole-row copies (radix cache, ``move_kv_cache``) carry every piece at once.
+(entries: for ever). SGLang's hybrid sliding-window pool holds the two kinds (``sglang_pool``) and frees window
+rows that fall out of the window; there the entries are kept one row per block instead of one per slot (pages
+are whole blocks, see ``SlotStore``), with a scratch area for draft-tree nodes.
 
 Consequences (the reason for this layout):
 
@@ -103,6 +104,14 @@ class SlotStore:
     * **token rows** (``token_buffers``, ``token_layouts``): what committed positions keep -- the entries, in the
       row of the token that closed their block.
 
+    Token rows come in two layouts. Without ``entry_ratios`` one row per token slot (the entry in its block-closing
+    token's row). With ``entry_ratios`` (SGLang's paged pool, page size a multiple of every ratio, so a slot's offset
+    in its page is its position's): layer ``l`` of ratio ``r`` keeps one row per block, row ``slot // r`` of the
+    block's closing token, followed by ``scratch_rows`` rows for the entries of draft-tree nodes that do not sit in
+    their position's own slot. Such a node's entry slot is written ``-2 - q`` (``q``: its index in the verify
+    forward, see ``ForwardBatch.entry_out`` and ``SlotTable.anc_entry``) and lands in scratch row ``q``; the
+    accepted ones are copied to their canonical rows after acceptance (``commit_entries``).
+
     ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
     ``buffers`` may be supplied by the caller (views of an SGLang KV pool); otherwise zeros. Writes are in place
     unless autograd needs the written values (training), in which case the buffer is replaced out of place so
@@ -112,23 +121,34 @@ class SlotStore:
     def __init__(self, layouts: list[LayerLayout], num_slots: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None,
                  token_layouts: list[LayerLayout] | None = None, token_buffers: list[torch.Tensor] | None = None,
-                 window_index: torch.Tensor | None = None):
+                 window_index: torch.Tensor | None = None, entry_ratios: list[int] | None = None,
+                 scratch_rows: int = 0):
         self.layouts = layouts
         self.token_layouts = token_layouts or [LayerLayout.of([]) for _ in layouts]
         self.num_slots = num_slots
         if buffers is None:
             buffers = [torch.zeros(num_slots, lay.width, dtype=dtype, device=device) for lay in layouts]
         if token_buffers is None:
-            rows, dt, dev = (buffers[0].shape[0], buffers[0].dtype, buffers[0].device) if buffers else (
-                num_slots, dtype, device)
-            token_buffers = [torch.zeros(rows, lay.width, dtype=dt, device=dev) for lay in self.token_layouts]
+            dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
+            token_buffers = [torch.zeros(self.token_rows(i, num_slots, entry_ratios, scratch_rows), lay.width,
+                                         dtype=dt, device=dev) for i, lay in enumerate(self.token_layouts)]
         for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts)):
             for i, (b, lay) in enumerate(zip(bufs, lays)):
                 if b.dim() != 2 or b.shape[1] != lay.width:
-                    raise ValueError(f"layer {i}: {kind} buffer shape {tuple(b.shape)} != [num_slots, {lay.width}]")
+                    raise ValueError(f"layer {i}: {kind} buffer shape {tuple(b.shape)} != [rows, {lay.width}]")
         self.buffers = list(buffers)
         self.token_buffers = list(token_buffers)
         self.window_index = window_index
+        self.entry_ratios = entry_ratios
+        # First scratch row of each token layer (its committed rows: one per block of the slot range).
+        self.scratch_base = [self.token_rows(i, num_slots, entry_ratios, 0) for i in range(len(self.token_layouts))]
+
+    @staticmethod
+    def token_rows(layer: int, num_slots: int, entry_ratios: list[int] | None, scratch_rows: int) -> int:
+        """Rows of token layer ``layer``: one per slot, or one per block of ratio r plus the scratch rows."""
+        if entry_ratios is None or not entry_ratios[layer]:
+            return num_slots
+        return -(-num_slots // entry_ratios[layer]) + scratch_rows
 
     def _where(self, layer: int, piece: str) -> tuple[list[torch.Tensor], int, int, bool]:
         """(buffer list, column offset, width, is a window piece)."""
@@ -143,9 +163,16 @@ class SlotStore:
             return slots
         return torch.where(slots >= 0, self.window_index[slots.clamp(min=0)].to(slots.dtype), -1)
 
+    def _token_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Token rows of entry ``slots`` of ``layer`` (``-1`` stays ``-1``; ``-2 - q`` is scratch row ``q``)."""
+        r = self.entry_ratios[layer] if self.entry_ratios is not None else 0
+        if not r:
+            return slots
+        return torch.where(slots >= 0, slots // r, torch.where(slots == -1, -1, self.scratch_base[layer] - 2 - slots))
+
     def index(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows of ``view(layer, piece)`` holding token ``slots`` (``-1`` stays ``-1``)."""
-        return self._window_rows(slots) if self._where(layer, piece)[3] else slots
+        return self._window_rows(slots) if self._where(layer, piece)[3] else self._token_rows(layer, slots)
 
     def view(self, layer: int, piece: str) -> torch.Tensor:
         bufs, off, w, _ = self._where(layer, piece)
@@ -153,7 +180,7 @@ class SlotStore:
 
     def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         bufs, off, w, window = self._where(layer, piece)
-        rows = self._window_rows(slots) if window else slots
+        rows = self._window_rows(slots) if window else self._token_rows(layer, slots)
         buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
             cols = torch.arange(off, off + w, device=buf.device)
@@ -164,18 +191,35 @@ class SlotStore:
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
         bufs, off, w, window = self._where(layer, piece)
-        rows = self._window_rows(slots) if window else slots
+        rows = self._window_rows(slots) if window else self._token_rows(layer, slots)
         got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole rows (every layer, every piece, window and token rows) ``src[i] -> dst[i]``: the
-        accepted-token move, as SGLang's ``move_kv_cache`` does it."""
+        accepted-token move, as SGLang's ``move_kv_cache`` does it. One token row per slot only (with
+        ``entry_ratios`` the entries move by ``commit_entries``)."""
+        if self.entry_ratios is not None:
+            raise ValueError("copy_rows needs one token row per slot; this store keeps one per block")
         s, d = self._window_rows(src), self._window_rows(dst)
         for b in self.buffers:
             b[d] = b[s]
         for b in self.token_buffers:
             b[dst] = b[src]
+
+    def commit_entries(self, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor) -> None:
+        """Accepted-path refresh of the entries: copy the entry of entry slot ``src[i]`` (a scratch slot ``-2 - q``
+        or a slot) to the canonical row of slot ``dst[i]``, where position ``positions[i]`` closes a block of the
+        layer's ratio (``-1`` in ``src`` or ``dst``: nothing). Row 0 -- the block of SGLang's padding slot, never
+        read -- takes the copies that are masked out, so shapes do not depend on the data."""
+        for layer, buf in enumerate(self.token_buffers):
+            r = self.entry_ratios[layer] if self.entry_ratios is not None else 0
+            if not r or buf.shape[1] == 0:
+                continue
+            keep = ((positions + 1) % r == 0) & (src != -1) & (dst >= 0)
+            s = torch.where(keep, self._token_rows(layer, src), 0)
+            d = torch.where(keep, self._token_rows(layer, dst), 0)
+            buf[d] = buf[s]
 
     def all_buffers(self) -> list[torch.Tensor]:
         return self.buffers + self.token_buffers
@@ -183,7 +227,8 @@ class SlotStore:
     def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """Window rows then token rows at ``slots``, every layer (copies)."""
         w = self._window_rows(slots)
-        return [b[w].clone() for b in self.buffers] + [b[slots].clone() for b in self.token_buffers]
+        return [b[w].clone() for b in self.buffers] + [b[self._token_rows(i, slots)].clone()
+                                                       for i, b in enumerate(self.token_buffers)]
 
     def checksum(self, slots: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Exact fingerprint per buffer (a float64 sum of the bit patterns), for isolation checks."""
@@ -203,21 +248,26 @@ class SlotTable:
     query_req: [N] long, row of ``req_table`` for each query.
     base:      [N] long, positions ``< base`` come from ``req_table``; positions ``>= base`` from ``anc``.
     anc:       [N, D] long, ``anc[i, j]`` = slot of position ``base[i] + j`` on query i's own path (D may be 0).
+    anc_entry: [N, D] long or None, where the entries of those ancestors are (``SlotStore`` doc: a slot, or
+               ``-2 - q`` for a draft node whose entry is in tree scratch); None: at their slots.
     """
 
     req_table: torch.Tensor
     query_req: torch.Tensor
     base: torch.Tensor
     anc: torch.Tensor
+    anc_entry: torch.Tensor | None = None
 
-    def lookup(self, pos: torch.Tensor) -> torch.Tensor:
-        """Slots for positions ``pos [N, K]`` (each row belongs to query i); ``-1`` for negative positions."""
+    def lookup(self, pos: torch.Tensor, entries: bool = False) -> torch.Tensor:
+        """Slots for positions ``pos [N, K]`` (each row belongs to query i); ``-1`` for negative positions.
+        ``entries``: where the entries closed at those positions are (``anc_entry`` for ancestors)."""
         n, _ = pos.shape
         T = self.req_table.shape[1]
         rel = pos - self.base[:, None]
         from_req = self.req_table[self.query_req[:, None], pos.clamp(0, T - 1)]
         if self.anc.shape[1] > 0:
-            from_anc = self.anc.gather(1, rel.clamp(0, self.anc.shape[1] - 1))
+            anc = self.anc_entry if entries and self.anc_entry is not None else self.anc
+            from_anc = anc.gather(1, rel.clamp(0, anc.shape[1] - 1))
             slots = torch.where(rel >= 0, from_anc, from_req)
         else:
             slots = from_req
@@ -264,7 +314,12 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [N] long: the ONLY slot each query writes
     table: SlotTable
     caps: StepCaps | None = None
+    entry_out: torch.Tensor | None = None  # [N] where each query's entry goes (``SlotStore`` doc); None: out_slots
     memo_: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def entry_out_slots(self) -> torch.Tensor:
+        return self.out_slots if self.entry_out is None else self.entry_out
 
     def entry_width(self, ratio: int) -> int:
         """Width of the per-query lists of compressed entries of ratio ``ratio``: the capacity with fixed shapes,

@@ -1,9 +1,11 @@
 """Make SGLang build our DeepSeek-V4 for V4 checkpoints (on a CPU always; on a GPU when TREE_V4 is selected).
 
-Three hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
+Four hooks: where SGLang parses a checkpoint's config, a V4 config is replaced by a plain config that names our
 architecture and asks for the hybrid sliding-window KV pool our state lives in, with the checkpoint's own config
 kept for our model; our class is put in SGLang's model registry under that name; and where SGLang picks its KV
-pool class it gets ours, whose layers each have their own width (``dsv4.sglang_pool``). With the architecture
+pool class it gets ours, whose layers each have their own width and whose entry layers have a row per block and
+the tree scratch (``dsv4.sglang_pool``; the scratch is sized by the running-request capacity SGLang builds the
+pools with, which the fourth hook notes). With the architecture
 renamed, none of SGLang's own DeepSeek-V4 special cases (its CUDA-only pool, backend and the topk == 1 assertion)
 fire.
 """
@@ -20,6 +22,8 @@ PARSE_TARGET = "sglang.srt.utils.hf_transformers.config.HfModelConfigParser.pars
 ARCH_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
 CHAT_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
 POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
+POOL_SIZES_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+_max_requests: dict[int, int | None] = {}  # configurator -> running-request capacity, while it builds its pool
 OWN_MODEL_ENV = "SGLANG_TREE_V4_OWN_MODEL"
 
 
@@ -43,7 +47,7 @@ def sglang_config(raw: dict):
     config = PretrainedConfig(
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
-        head_dim=sp.pool_head_dim(token), v_head_dim=sp.V_COLUMNS,
+        head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg)), v_head_dim=sp.V_COLUMNS,
         swa_head_dim=sp.pool_head_dim(window), swa_v_head_dim=sp.V_COLUMNS, swa_num_key_value_heads=1,
         is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
         sliding_window=sp.retained_window(cfg),
@@ -94,12 +98,24 @@ def state_pool(original, configurator, *args, **kwargs):
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
     from ..dsv4.sglang_model import RAW_CONFIG_ATTR
-    from ..dsv4.sglang_pool import model_state_pool_class
+    from ..dsv4.sglang_pool import model_state_pool_class, scratch_rows_of
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
-    return model_state_pool_class(DSV4Config.from_dict(raw))
+    scratch = scratch_rows_of(getattr(configurator, "server_args", None), _max_requests.get(id(configurator)))
+    return model_state_pool_class(DSV4Config.from_dict(raw), scratch)
+
+
+def remember_pool_sizes(original, configurator, *args, **kwargs):
+    """AROUND hook on ``KVCacheConfigurator._build_token_to_kv_pool(sizes=...)``: the running-request capacity it
+    sizes the pools with (``--max-running-requests`` may still be unset in the server arguments), for the tree
+    scratch of our pool class."""
+    _max_requests[id(configurator)] = getattr(kwargs.get("sizes"), "max_running_requests", None)
+    try:
+        return original(configurator, *args, **kwargs)
+    finally:
+        _max_requests.pop(id(configurator), None)
 
 
 def install() -> None:
@@ -109,3 +125,4 @@ def install() -> None:
     HookRegistry.register(ARCH_TARGET, before_get_architecture, HookType.BEFORE)
     HookRegistry.register(CHAT_TARGET, chat_encoding, HookType.AROUND)
     HookRegistry.register(POOL_TARGET, state_pool, HookType.AROUND)
+    HookRegistry.register(POOL_SIZES_TARGET, remember_pool_sizes, HookType.AROUND)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..dsv4.config import is_deepseek_v4, read_checkpoint_config
+from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
+from ..dsv4.sglang_pool import check_page_size
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,9 @@ def handle_server_args(server_args) -> None:
     largest shape; the decision travels to the scheduler processes in ``ADAPTIVE_ENV``."""
     import os
 
-    draft_score_temperature(validate_model(server_args.model_path))
+    raw = validate_model(server_args.model_path)
+    draft_score_temperature(raw)
+    server_args.page_size = check_page_size(DSV4Config.from_dict(raw), server_args.page_size)
     flags = (server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
              server_args.speculative_num_steps)
     os.environ[ADAPTIVE_ENV] = "1" if all(v is None for v in flags) else "0"

@@ -107,8 +107,9 @@ def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, toke
     out_slots = table[torch.arange(bs, device=device)[:, None], prefix[:, None] + torch.arange(d, device=device)]
     out_slots = out_slots.flatten()
     positions = (prefix[:, None] + torch.arange(d, device=device)).flatten()
-    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, verify_table(table, prefix, mask, out_slots, d),
-                         verify_caps(prefix, d, table.shape[1]))
+    slot_table, entry_out = verify_table(table, prefix, mask, out_slots, d)
+    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, slot_table, verify_caps(prefix, d, table.shape[1]),
+                         entry_out)
     return model(batch, store)
 
 

@@ -9,9 +9,10 @@ A decode round, per batch:
    ancestry from the tree mask, writes only the node's own verify slot);
 3. the tree core accepts the longest matching path (greedy) or runs lossless multi-branch speculative sampling
    with each request's sampling parameters;
-4. SGLang's accepted-token move copies the accepted nodes' whole rows (window and token rows: target, streams,
-   MTP) to the request's canonical slots: that is the accepted-path state refresh. Rejected rows stay in reserved
-   slots that the next round overwrites and the request's release frees.
+4. SGLang's accepted-token move copies the accepted nodes' window rows (target, streams, MTP) to the request's
+   canonical slots, and the adapter copies the compressed entries of accepted nodes that were in tree scratch to
+   their blocks' rows (``commit_tree_entries``): that is the accepted-path state refresh. Rejected rows stay in
+   reserved slots (and scratch) that the next round overwrites and the request's release frees.
 
 Prefill rounds are plain target forwards.
 
@@ -263,6 +264,8 @@ class TreeV4Worker(BaseSpecWorker):
         if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)
+            self.adapter.commit_tree_entries(accept_index, self.req_to_token_pool.req_to_token[
+                batch.req_pool_indices], batch.seq_lens, D)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
