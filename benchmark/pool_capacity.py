@@ -35,7 +35,8 @@ def commit_of(tree: str) -> str:
 
 
 def capacity(tree: str, args: argparse.Namespace, log: Path) -> int:
-    env = launcher.clean_env(PYTHONPATH=os.pathsep.join([str(Path(tree) / "python"), os.environ.get("PYTHONPATH", "")]))
+    path = [str(Path(tree) / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = launcher.clean_env(PYTHONPATH=os.pathsep.join(path))
     flags = ["--device", "cpu", "--mem-fraction-static", str(args.mem_fraction_static), "--max-total-tokens",
              "100000000", "--swa-full-tokens-ratio", str(args.swa_full_tokens_ratio), "--sleep-on-idle"]
     server = launcher.wait_healthy(launcher.launch(args.model_path, flags, log=log, env=env))

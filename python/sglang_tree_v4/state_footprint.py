@@ -13,9 +13,8 @@ to the measured bytes).
 Per token: its share of the entry rows. Per running request: the window rows it holds (``window_rows_held``), plus
 the draft-tree slots the worker reserves beyond the committed length (``D + K (S - 1)``), its last page's unused
 slots (at most ``page - 1``), its D rows of entry scratch, and one ``req_to_token`` row (int32 per position of the
-context length). SGLang provisions the
-window rows as ``--swa-full-tokens-ratio`` x the token slots; the report gives the rows the running requests
-need.
+context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the report
+gives the rows the running requests need.
 
 Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
 + 8 scale bytes, CSA index keys of ``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens;
@@ -28,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class, retained_window,
-                               state_page_size, token_layer_ratios, token_layer_widths)
+from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
+                               state_page_size, token_layer_widths)
 from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
 from .speculative.mtp_drafter import round_slots
 from .speculative.model_override import sglang_config
@@ -76,10 +75,8 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> d
     for layout in model_layouts(cfg):
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w)
-    ratios = iter(token_layer_ratios(cfg))
-    for layout in model_token_layouts(cfg):
-        r = next(ratios) if layout.width else 1
-        for piece, (_, w) in layout.pieces.items():
+    for layout, r in zip(model_token_layouts(cfg), entry_ratios(cfg)):
+        for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r)
     add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
     for layout in mtp_layouts(cfg):

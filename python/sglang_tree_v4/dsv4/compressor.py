@@ -60,12 +60,9 @@ class Compressor(nn.Module):
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
         out = fb.entry_out_slots[closers]
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
-            if store.entry_ratios is None:  # a row per query: the others write their row's value back
-                ent = torch.where(closes[:, None], ent.to(store.view(layer, entry).dtype),
-                                  store.read(layer, entry, out))
-            else:  # a row per block, shared with the block's other queries: theirs go to slot 0's, never read
-                out = torch.where(closes, out, 0)
-        store.write(layer, entry, out, ent)
+            store.write_kept(layer, entry, out, ent, closes)
+        else:
+            store.write(layer, entry, out, ent)
 
 
 def _closer_rows(fb: ForwardBatch, r: int,

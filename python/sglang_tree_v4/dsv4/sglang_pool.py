@@ -34,7 +34,7 @@ import math
 import torch
 
 from .config import DSV4Config
-from .storage import model_layouts, model_token_layouts, mtp_layouts, streams_layouts
+from .storage import entry_layer_rows, model_layouts, model_token_layouts, mtp_layouts, streams_layouts
 
 logger = logging.getLogger(__name__)
 V_COLUMNS = 1  # the V buffer SGLang always allocates; nothing is stored in it
@@ -148,7 +148,7 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
             if entries and any(self.page_size % r for r in token_ratios if r > 1):
                 raise ValueError(f"--page-size {self.page_size} is not a multiple of every compression ratio "
                                  f"({sorted(set(token_ratios))})")
-            rows = [-(-slots // r) + (scratch_rows if r > 1 else 0) for r in token_ratios] if entries else (
+            rows = [entry_layer_rows(slots, r, scratch_rows) for r in token_ratios] if entries else (
                 [slots] * len(widths))
             if entries:
                 logger.info("TREE_V4 entry rows: one per block of ratios %s over %d slots (pages of %d), plus %d "

@@ -130,8 +130,8 @@ class SlotStore:
             buffers = [torch.zeros(num_slots, lay.width, dtype=dtype, device=device) for lay in layouts]
         if token_buffers is None:
             dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
-            token_buffers = [torch.zeros(self.token_rows(i, num_slots, entry_ratios, scratch_rows), lay.width,
-                                         dtype=dt, device=dev) for i, lay in enumerate(self.token_layouts)]
+            token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
+                                         lay.width, dtype=dt, device=dev) for i, lay in enumerate(self.token_layouts)]
         for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts)):
             for i, (b, lay) in enumerate(zip(bufs, lays)):
                 if b.dim() != 2 or b.shape[1] != lay.width:
@@ -141,14 +141,15 @@ class SlotStore:
         self.window_index = window_index
         self.entry_ratios = entry_ratios
         # First scratch row of each token layer (its committed rows: one per block of the slot range).
-        self.scratch_base = [self.token_rows(i, num_slots, entry_ratios, 0) for i in range(len(self.token_layouts))]
+        self.scratch_base = [entry_layer_rows(num_slots, self._ratio(i), 0) for i in range(len(self.token_layouts))]
 
     @staticmethod
-    def token_rows(layer: int, num_slots: int, entry_ratios: list[int] | None, scratch_rows: int) -> int:
-        """Rows of token layer ``layer``: one per slot, or one per block of ratio r plus the scratch rows."""
-        if entry_ratios is None or not entry_ratios[layer]:
-            return num_slots
-        return -(-num_slots // entry_ratios[layer]) + scratch_rows
+    def _ratio_of(entry_ratios: list[int] | None, layer: int) -> int:
+        return entry_ratios[layer] if entry_ratios is not None else 0
+
+    def _ratio(self, layer: int) -> int:
+        """The block a token row of ``layer`` stands for: 0 (or 1) for one row per slot."""
+        return self._ratio_of(self.entry_ratios, layer)
 
     def _where(self, layer: int, piece: str) -> tuple[list[torch.Tensor], int, int, bool]:
         """(buffer list, column offset, width, is a window piece)."""
@@ -165,8 +166,8 @@ class SlotStore:
 
     def _token_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Token rows of entry ``slots`` of ``layer`` (``-1`` stays ``-1``; ``-2 - q`` is scratch row ``q``)."""
-        r = self.entry_ratios[layer] if self.entry_ratios is not None else 0
-        if not r:
+        r = self._ratio(layer)
+        if r <= 1:
             return slots
         return torch.where(slots >= 0, slots // r, torch.where(slots == -1, -1, self.scratch_base[layer] - 2 - slots))
 
@@ -187,6 +188,19 @@ class SlotStore:
             bufs[layer] = buf.index_put((rows[:, None], cols[None, :]), values.to(buf.dtype))
         else:
             buf[rows, off:off + w] = values.to(buf.dtype)
+
+    def write_kept(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor,
+                   keep: torch.Tensor) -> None:
+        """``write`` where ``keep``, with fixed shapes: the others leave what is stored as it was. With a token row
+        per slot they write their row's own value back; with a row per block the row is shared with the block's
+        other queries (whose write-back would race with the kept one), so they write to row 0 -- the block of
+        SGLang's padding slot, never read -- instead."""
+        if self._where(layer, piece)[3] or self._ratio(layer) <= 1:
+            values = torch.where(keep[:, None], values.to(self.view(layer, piece).dtype),
+                                 self.read(layer, piece, slots))
+        else:
+            slots = torch.where(keep, slots, 0)
+        self.write(layer, piece, slots, values)
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
@@ -213,8 +227,8 @@ class SlotStore:
         layer's ratio (``-1`` in ``src`` or ``dst``: nothing). Row 0 -- the block of SGLang's padding slot, never
         read -- takes the copies that are masked out, so shapes do not depend on the data."""
         for layer, buf in enumerate(self.token_buffers):
-            r = self.entry_ratios[layer] if self.entry_ratios is not None else 0
-            if not r or buf.shape[1] == 0:
+            r = self._ratio(layer)
+            if r <= 1 or buf.shape[1] == 0:
                 continue
             keep = ((positions + 1) % r == 0) & (src != -1) & (dst >= 0)
             s = torch.where(keep, self._token_rows(layer, src), 0)
@@ -238,6 +252,14 @@ class SlotStore:
             w = torch.arange(1, bits.numel() + 1, dtype=torch.float64, device=x.device).view_as(bits)
             out.append(torch.stack([bits.sum(), (bits * w).sum()]))
         return out
+
+
+def entry_layer_rows(num_slots: int, ratio: int, scratch_rows: int) -> int:
+    """Rows of a token layer: one per slot (``ratio`` 0 or 1), or one per block of ``ratio`` slots and then
+    ``scratch_rows`` rows of draft-tree scratch (``SlotStore`` doc)."""
+    if ratio <= 1:
+        return num_slots
+    return -(-num_slots // ratio) + scratch_rows
 
 
 @dataclass
