@@ -202,8 +202,13 @@ def test_footprint_state_of_the_published_v4_flash_config():
     layers + MTP, 512), compressor rows (CSA 2 x 1024 + 2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096)
     -- and a request holds at most 256 + 127 window rows (SGLang keeps the retained window of 129 rounded up to whole
     pages, and frees whole pages) + 17 for the draft tree, 17 + 127 token slots beyond its committed tokens
-    (reservation, last page) and 8 scratch rows (one entry of every layer per draft node). The split by kind adds up; upstream's fp8 layout needs about 3.85 KB per token.
-    ``--kv-cache-dtype fp8_e4m3`` is refused, naming the flag."""
+    (reservation, last page) and 8 scratch rows (one entry of every layer per draft node). The split by kind adds
+    up; upstream's fp8 layout needs about 3.85 KB per token.
+
+    With ``--kv-cache-dtype fp8_e4m3`` the entries are upstream's fp8 bytes -- 584 per entry (448 e4m3, 64 bf16
+    rope channels, 7 scales, 1 pad), 132 per index key (128 e4m3, a 4-byte scale) -- and the window rows stay bf16:
+    3,932.25 bytes per token, the entries' 3,850.25 (upstream's slope) plus the V columns. An unsupported KV dtype
+    is refused, naming the flag."""
     from pathlib import Path
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
@@ -223,9 +228,18 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
     import subprocess
     import sys
+    fp8 = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072",
+                     "--kv-cache-dtype", "fp8_e4m3")
+    fp8_entries = 21 * (584 + 132) / 4 + 20 * 584 / 128
+    assert fp8_entries == 3850.25 and fp8["state_bytes_per_token"] == fp8_entries + 41 * 2 <= 4000
+    assert abs(fp8_entries - fp8["upstream_fp8_state_bytes_per_token"]) < 0.1
+    assert fp8["state_bytes_by_kind"]["compressed_entries"] == round(fp8_entries * (1_000_000 + 64 * 144))
+    assert fp8["window_row_bytes"] == window_row and fp8["kv_cache_dtype"] == "fp8_e4m3"
+    assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584)
+    assert fp8["state_bytes_per_token"] <= 2 * 4000 and r["state_bytes_per_token"] <= 2 * 4000  # bf16: <= 2x
     bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
-                          "--kv-cache-dtype", "fp8_e4m3"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--kv-cache-dtype fp8_e4m3" in bad.stderr, bad.stderr[-500:]
+                          "--kv-cache-dtype", "fp8_e5m2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--kv-cache-dtype fp8_e5m2" in bad.stderr, bad.stderr[-500:]
 
 
 def test_footprint_names_a_tp_that_does_not_divide():

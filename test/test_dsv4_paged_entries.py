@@ -44,16 +44,16 @@ def page_table(P: int, lens: int, seed: int) -> torch.Tensor:
     return pages[:, pos // P] * P + pos % P
 
 
-def run(model, compact: bool, scratch: bool = True, fixed: bool = False):
+def run(model, compact: bool, scratch: bool = True, fixed: bool = False, entry_format: str | None = None):
     """Prefill, verify the trees (``fixed``: with the fixed-shape step a GPU captures), commit ``ACCEPT``,
-    decode: the logits of every step."""
+    decode: the logits of every step (``entry_format``: entries kept as fp8 bytes)."""
     cfg = model.cfg
     P = state_page_size(cfg)
     T = 64
     table = page_table(P, T, seed=9)
     num_slots = (table.max().item() // P + 2) * P
     B = len(REQUESTS)
-    store = SlotStore(model_layouts(cfg), num_slots, token_layouts=model_token_layouts(cfg),
+    store = SlotStore(model_layouts(cfg), num_slots, token_layouts=model_token_layouts(cfg, entry_format),
                       entry_ratios=entry_ratios(cfg) if compact else None, scratch_rows=B * D)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (L,), generator=g) for L, _ in REQUESTS]
@@ -109,12 +109,16 @@ def run(model, compact: bool, scratch: bool = True, fixed: bool = False):
     return torch.cat(out), store
 
 
+@pytest.mark.parametrize("entry_format", [None, "fp8_e4m3"], ids=["full-precision", "fp8"])
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shapes"])
-def test_entries_per_block_with_tree_scratch_equal_entries_per_slot(model, fixed):
+def test_entries_per_block_with_tree_scratch_equal_entries_per_slot(model, fixed, entry_format):
     hf, ours = model
-    reference, _ = run(ours, compact=False, fixed=fixed)
-    compact, store = run(ours, compact=True, fixed=fixed)
+    reference, _ = run(ours, compact=False, fixed=fixed, entry_format=entry_format)
+    compact, store = run(ours, compact=True, fixed=fixed, entry_format=entry_format)
     assert torch.equal(compact, reference)
+    if entry_format:  # the fp8 bytes are really what is kept, and they change the logits a little
+        assert all(b.dtype == torch.uint8 for b in store.token_buffers if b.shape[1])
+        assert 0 < rel_err(compact, run(ours, compact=True, fixed=fixed)[0]) < 1
     # Rows per entry layer: one per block of the slot range and the scratch, not one per slot.
     for layer, buf in enumerate(store.token_buffers):
         r = entry_ratios(ours.cfg)[layer]

@@ -99,10 +99,10 @@ def assert_rows_match(runner, slots_a, slots_b, positions):
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------------------
-def make_case(hca, lens, prompt_len, seed):
+def make_case(hca, lens, prompt_len, seed, entry_format=None):
     hf = build_hf(hca, seed=seed)
     model = ours_from_hf(hf)
-    runner = DSV4Runner(model, num_slots=4096, max_len=1024, max_reqs=512)
+    runner = DSV4Runner(model, num_slots=4096, max_len=1024, max_reqs=512, entry_format=entry_format)
     prompt = torch.randint(0, V, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     base = runner.add_request()
     runner.extend([base], [prompt])
@@ -114,6 +114,12 @@ def make_case(hca, lens, prompt_len, seed):
 def hca8():
     lens = [20, 21, 22, 23, 24, 25, 26, 27]  # every offset mod 4 and mod 8; > window 16; > 4 x index_topk / 4
     return make_case(8, lens, 27, seed=41)
+
+
+@pytest.fixture(scope="module")
+def hca8_fp8():
+    """The same case with the entries kept as fp8 bytes (``--kv-cache-dtype fp8_e4m3``)."""
+    return make_case(8, [20, 21, 22, 23, 24, 25, 26, 27], 27, seed=41, entry_format="fp8_e4m3")
 
 
 SHAPES8 = lambda rng: [chain(9), star(16), kary(2, 3), kary(3, 2), rand_tree(16, 8, rng), rand_tree(16, 8, rng),
@@ -162,6 +168,18 @@ def test_verify_matches_sequential_and_is_isolated(hca8, seed):
     for r in rids:
         tv.rollback(r)
     release_all(runner, oracle)
+
+
+def test_verify_with_fp8_entries_matches_sequential(hca8_fp8):
+    """fp8 entries are a deterministic function of the rows they pool, so a tree node sees the bytes sequential
+    decoding of its path writes: per-node logits agree as with full-precision entries, and verification leaves
+    committed bytes and everything outside its scratch untouched."""
+    kept = [b for b in hca8_fp8[2].store.token_buffers if b.shape[1]]
+    assert kept and all(b.dtype == torch.uint8 for b in kept)
+    tv, toks, par, nn, res, oracle = run_tree_case(hca8_fp8, SHAPES8(random.Random(1)), seed=11)
+    for r in hca8_fp8[4]:
+        tv.rollback(r)
+    release_all(hca8_fp8[2], oracle)
 
 
 def test_commit_equals_sequential_decoding(hca8):

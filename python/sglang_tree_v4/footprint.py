@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--tokens and --requests must be >= 0")
     from .state_footprint import KV_CACHE_DTYPES
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        ap.error(f"--kv-cache-dtype {args.kv_cache_dtype}: the per-slot state layout holds compressor rows and "
-                 f"entries in the pool's dtype; one of {sorted(KV_CACHE_DTYPES)} (fp8 entries need separate "
-                 f"entry pools, not built yet)")
+        ap.error(f"--kv-cache-dtype {args.kv_cache_dtype}: one of {sorted(KV_CACHE_DTYPES)} (fp8_e4m3: the "
+                 f"compressed entries as fp8, the window rows in --dtype)")
     from .dsv4.config import ConfigError
     try:
         out = report(args.path, args.tp, args.dtype, args.tp_rank)
@@ -92,9 +91,9 @@ def _state(args) -> dict:
         raw = json.load(f)
     budget = validate_budget(args.speculative_num_draft_tokens, args.speculative_eagle_topk,
                              args.speculative_num_steps)
-    dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or DTYPES[args.dtype]
+    dtype, entry_format = KV_CACHE_DTYPES[args.kv_cache_dtype]
     return state_report(raw, args.tokens, args.requests, budget.draft_tokens, budget.topk, budget.steps,
-                        args.context_length, dtype)
+                        args.context_length, dtype or DTYPES[args.dtype], entry_format)
 
 
 if __name__ == "__main__":

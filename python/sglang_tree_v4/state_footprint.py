@@ -36,10 +36,13 @@ from .speculative.model_override import sglang_config
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "entry": "compressed_entries",
                  "ientry": "compressed_entries"}
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32}
+# --kv-cache-dtype -> (the pool's dtype, None: the model's; how entries are kept, None: in the pool's dtype)
+KV_CACHE_DTYPES = {"auto": (None, None), "bfloat16": (torch.bfloat16, None), "bf16": (torch.bfloat16, None),
+                   "float32": (torch.float32, None), "fp8_e4m3": (None, "fp8_e4m3")}
 
 
-def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, float]:
+def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
+                           entry_format: str | None = None) -> dict[str, float]:
     """Bytes of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes from
     ``pool_config``, at its page size), from real allocations: ``{"token": per token slot, "window": per window
     row, "scratch": per draft-node scratch row}``."""
@@ -48,7 +51,7 @@ def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> 
     heads = pool_config.num_key_value_heads
 
     def total(label: str, layers: int, head_dim: int, slots: int, scratch: int = 0) -> int:
-        pool = model_state_pool_class(cfg, scratch)(
+        pool = model_state_pool_class(cfg, scratch, entry_format)(
             size=slots, page_size=page, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
             device="cpu", enable_memory_saver=False, allocation_label=label)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
@@ -63,9 +66,10 @@ def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> 
     return out
 
 
-def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype,
+                          entry_format: str | None = None) -> dict[str, dict[str, float]]:
     """A token slot's and a window row's bytes split by what they hold; ``v_column`` is the one-column V buffer
-    SGLang allocates per layer and nothing uses."""
+    SGLang allocates per layer and nothing uses. Coded (fp8) entries count their bytes."""
     size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, dict[str, int]] = {"token": {}, "window": {}}
 
@@ -75,18 +79,18 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype) -> d
     for layout in model_layouts(cfg):
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w)
-    for layout, r in zip(model_token_layouts(cfg), entry_ratios(cfg)):
+    for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
-            add("token", KIND_OF_PIECE[piece], w / r)
+            add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))
     add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
     for layout in mtp_layouts(cfg):
         add("window", "mtp_window_kv", layout.pieces["k"][1])
     pattern = pool_config.hybrid_layer_pattern
     add("window", "v_column", pattern.count(1) * pool_config.num_key_value_heads * pool_config.swa_v_head_dim)
     add("token", "v_column", pattern.count(0) * pool_config.num_key_value_heads * pool_config.v_head_dim)
-    pieces = sum(lay.width for lay in model_token_layouts(cfg))
-    if sum(token_layer_widths(cfg)) > pieces:  # the placeholder layer of a model without compressed layers
-        add("token", "placeholder", sum(token_layer_widths(cfg)) - pieces)
+    pieces = sum(lay.width for lay in model_token_layouts(cfg, entry_format))
+    if sum(token_layer_widths(cfg, entry_format)) > pieces:  # the placeholder layer of a model without any
+        add("token", "placeholder", sum(token_layer_widths(cfg, entry_format)) - pieces)
     return kinds
 
 
@@ -118,17 +122,18 @@ def upstream_estimate(cfg: DSV4Config, draft_tokens: int) -> dict[str, float]:
 
 
 def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk: int, steps: int,
-                 context_len: int | None, dtype: torch.dtype) -> dict:
-    """``raw``: the checkpoint's config.json; ``context_len`` None: the config's max positions."""
-    cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw)
+                 context_len: int | None, dtype: torch.dtype, entry_format: str | None = None) -> dict:
+    """``raw``: the checkpoint's config.json; ``context_len`` None: the config's max positions; ``dtype``: the
+    pool's; ``entry_format``: fp8 entries (``--kv-cache-dtype fp8_e4m3``)."""
+    cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw, entry_format, dtype.itemsize)
     context_len = context_len or cfg.max_position_embeddings
-    row = measured_bytes_per_row(cfg, pool_config, dtype)
-    kinds = bytes_per_row_by_kind(cfg, pool_config, dtype)
+    row = measured_bytes_per_row(cfg, pool_config, dtype, entry_format)
+    kinds = bytes_per_row_by_kind(cfg, pool_config, dtype, entry_format)
     for kind in ("token", "window"):
         if abs(sum(kinds[kind].values()) - row[kind]) > 1e-6:
             raise AssertionError(f"the split of a {kind} row ({sum(kinds[kind].values())} B) is not the pool's "
                                  f"({row[kind]} B)")
-    entry_row = sum(token_layer_widths(cfg)) * torch.empty((), dtype=dtype).element_size()
+    entry_row = sum(token_layer_widths(cfg, entry_format)) * (1 if entry_format else dtype.itemsize)
     if row["scratch"] != entry_row:
         raise AssertionError(f"a scratch row ({row['scratch']} B) is not one entry row of every layer ({entry_row} B)")
     page = state_page_size(cfg)
@@ -153,7 +158,8 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
         "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": tree_slots,
         "page_size": page, "tree_scratch_bytes_per_request": draft_tokens * row["scratch"],
         "window_rows_per_request": window_rows, "window_row_bytes": row["window"],
-        "context_len": context_len, "kv_cache_dtype": str(dtype).removeprefix("torch."),
+        "context_len": context_len, "kv_cache_dtype": entry_format or str(dtype).removeprefix("torch."),
+        "window_dtype": str(dtype).removeprefix("torch."),
         "upstream_fp8_state_bytes_per_token": round(upstream["state_bytes_per_token"], 1),
         "upstream_fp8_state_bytes_per_request": round(upstream["state_bytes_per_request"]),
         "upstream_fp8_state_bytes": round(upstream["state_bytes_per_token"] * tokens

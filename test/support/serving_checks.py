@@ -126,18 +126,20 @@ def sample_continuations(server, prompt_ids: list[int], setting: dict, n: int, n
 
 
 @torch.no_grad()
-def score_against_target(model, prompt_ids: list[int], setting: dict, samples: list[list[int]]):
+def score_against_target(model, prompt_ids: list[int], setting: dict, samples: list[list[int]],
+                         entry_format: str | None = None):
     """Per sample and position j >= 1 (the speculative ones; position 0 is the prefill's own sample): whether the
     sampled token is the target's top-1 / among its top-3 under the processed conditional distribution, and those
     probabilities. Conditionals come from our model run teacher-forced on the sampled prefix (the same checkpoint
-    and float32 math as the server), processed like SGLang's sampler (``tree.target_probs``)."""
+    and float32 math as the server, its entries kept as the server keeps them: ``entry_format``), processed like
+    SGLang's sampler (``tree.target_probs``)."""
     from sglang_tree_v4.dsv4.runner import DSV4Runner
     from sglang_tree_v4.tree import SamplingParams, target_probs
 
     chunk = 64
     m = len(samples[0])
     runner = DSV4Runner(model, num_slots=len(prompt_ids) + chunk * m + 16, max_len=len(prompt_ids) + m + 1,
-                        max_reqs=chunk + 1)
+                        max_reqs=chunk + 1, entry_format=entry_format)
     root = runner.add_request()
     runner.extend([root], [prompt_ids])
     hits = {"top1": [], "top3": []}
@@ -161,8 +163,8 @@ def score_against_target(model, prompt_ids: list[int], setting: dict, samples: l
     return ({k: torch.cat(v) for k, v in hits.items()}, {k: torch.cat(v) for k, v in probs_of.items()})
 
 
-def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n: int, new_tokens: int
-                           ) -> SampledStats:
+def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n: int, new_tokens: int,
+                           entry_format: str | None = None) -> SampledStats:
     """Pooled over cases, samples and positions, for each statistic: ``z = sum(hit - P) / sqrt(sum P (1 - P))``.
 
     Under exact sampling the hits of successive positions are Bernoulli(P) given the past, so the sum is a
@@ -174,7 +176,8 @@ def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n
         assert all(len(o["output_ids"]) == new_tokens for o in outs)
         rounds += sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
         count += len(outs)
-        hits, probs = score_against_target(model, prompt_ids, setting, [o["output_ids"] for o in outs])
+        hits, probs = score_against_target(model, prompt_ids, setting, [o["output_ids"] for o in outs],
+                                           entry_format)
         for k in hits_all:
             hits_all[k].append(hits[k])
             probs_all[k].append(probs[k])

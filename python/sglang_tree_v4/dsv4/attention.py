@@ -84,8 +84,7 @@ class Attention(nn.Module):
                 ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1)
             else:  # HCA: every visible entry (one per 128 positions)
                 ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
-            ent_store = store.view(layer, "entry")
-            ent_slots = store.index(layer, "entry", ent_slots)  # rows of the entry buffer
+            ent_store, ent_slots = store.readable(layer, "entry", store.index(layer, "entry", ent_slots), q.dtype)
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
         o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)

@@ -41,9 +41,11 @@ class DSV4Model(nn.Module):
     def rope_of(self, ratio: int) -> Rope:
         return self.ropes["main"] if ratio == 0 else self.ropes["compress"]
 
-    def new_store(self, num_slots: int, dtype: torch.dtype = torch.float32, device="cpu") -> SlotStore:
+    def new_store(self, num_slots: int, dtype: torch.dtype = torch.float32, device="cpu",
+                  entry_format: str | None = None) -> SlotStore:
+        """``entry_format``: None keeps entries in ``dtype``, ``fp8_e4m3`` as upstream's fp8 bytes."""
         return SlotStore(model_layouts(self.cfg), num_slots, dtype, device,
-                         token_layouts=model_token_layouts(self.cfg))
+                         token_layouts=model_token_layouts(self.cfg, entry_format))
 
     def forward(self, fb: ForwardBatch, store: SlotStore, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """``logits_rows``: optional indices of the queries whose logits are wanted (default: all)."""

@@ -28,11 +28,13 @@ class DSV4Runner:
     """Requests are small ints (rows of ``req_table``). ``lens[rid]`` = committed target positions;
     ``mtp_lens[rid]`` = positions the MTP layer has processed (it lags the target by one token)."""
 
-    def __init__(self, model: DSV4Model, num_slots: int = 4096, max_len: int = 4096, max_reqs: int = 64):
+    def __init__(self, model: DSV4Model, num_slots: int = 4096, max_len: int = 4096, max_reqs: int = 64,
+                 entry_format: str | None = None):
+        """``entry_format``: how compressed entries are kept (``storage.entry_codecs``; None: the model's dtype)."""
         self.model = model
         dev = model.embed.weight.device
         dt = model.embed.weight.dtype
-        self.store: SlotStore = model.new_store(num_slots, dt, dev)
+        self.store: SlotStore = model.new_store(num_slots, dt, dev, entry_format)
         self.mtp_store: SlotStore | None = new_mtp_store(model.cfg, num_slots, dt, dev) if len(model.mtp) else None
         self.alloc = SlotAllocator(num_slots)
         self.req_table = torch.full((max_reqs, max_len), -1, dtype=torch.long, device=dev)

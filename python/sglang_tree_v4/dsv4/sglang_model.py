@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "TreeV4DSV4ForCausalLM"  # no "DeepseekV4" substring: SGLang keys V4 special cases on it
 RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
+ENTRY_FORMAT_ATTR = "tree_v4_entry_format"  # how the entries are kept (``storage.entry_codecs``; None: pool dtype)
 
 
 def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:
@@ -163,7 +164,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             nw = len(window_layer_widths(cfg))
             window = [pool.get_key_buffer(i).flatten(1) for i in range(nw)]
             token_iter = iter(pool.get_key_buffer(nw + i).flatten(1) for i in range(pool.layer_num - nw))
-            token_lays = model_token_layouts(cfg)
+            token_lays = model_token_layouts(cfg, getattr(self.config, ENTRY_FORMAT_ATTR, None))
             token = [next(token_iter) if lay.width else window[0][:, :0] for lay in token_lays]
             common = dict(window_index=pool.full_to_swa_index_mapping)
             num_slots = pool.size + pool.page_size

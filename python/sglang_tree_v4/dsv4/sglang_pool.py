@@ -46,10 +46,10 @@ def window_layer_widths(cfg: DSV4Config) -> list[int]:
     return [lay.width for lay in model_layouts(cfg) + streams_layouts(cfg) + mtp_layouts(cfg)]
 
 
-def token_layer_widths(cfg: DSV4Config) -> list[int]:
+def token_layer_widths(cfg: DSV4Config, entry_format: str | None = None) -> list[int]:
     """Entry layers: one per compressed target layer (a model without any gets one 1-column layer, since
-    SGLang's hybrid pool needs a full layer)."""
-    return [lay.width for lay in model_token_layouts(cfg) if lay.width] or [1]
+    SGLang's hybrid pool needs a full layer); with an ``entry_format`` in bytes."""
+    return [lay.width for lay in model_token_layouts(cfg, entry_format) if lay.width] or [1]
 
 
 def entry_ratios(cfg: DSV4Config) -> list[int]:
@@ -79,9 +79,12 @@ def check_page_size(cfg: DSV4Config, page_size: int | None) -> int:
     return page_size
 
 
-def token_columns_per_slot(cfg: DSV4Config) -> list[float]:
-    """Entry columns per token slot of each entry layer (width / ratio)."""
-    return [w / r for w, r in zip(token_layer_widths(cfg), token_layer_ratios(cfg))]
+def token_columns_per_slot(cfg: DSV4Config, entry_format: str | None = None, itemsize: int = 1) -> list[float]:
+    """Entry columns per token slot of each entry layer (width / ratio); with an ``entry_format`` its bytes in
+    columns of a pool dtype of ``itemsize`` bytes (what SGLang sizes the pool in)."""
+    if entry_format is None:
+        return [w / r for w, r in zip(token_layer_widths(cfg), token_layer_ratios(cfg))]
+    return [w / r / itemsize for w, r in zip(token_layer_widths(cfg, entry_format), token_layer_ratios(cfg))]
 
 
 def pool_head_dim(widths: list[float]) -> int:
@@ -118,10 +121,12 @@ def retained_window(cfg: DSV4Config) -> int:
 
 
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
-                     scratch_rows: int) -> type:
+                     scratch_rows: int, entry_format: str | None = None) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
-    has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows."""
+    has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows. With an ``entry_format``
+    (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
+    keep the pool's dtype."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -131,7 +136,8 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
         def _create_buffers(self):
             if self.is_quantized_kv_cache or self.post_capture_active or self.kv_cache_layout != "nhd":
                 raise ValueError("TREE_V4's DeepSeek-V4 state pool supports an unquantized, token-major KV cache "
-                                 "only (--kv-cache-dtype auto/bfloat16/float32, no post-capture backing)")
+                                 "only (--kv-cache-dtype auto/bfloat16/float32, or fp8_e4m3 for the entries; no post-capture "
+                                 "backing)")
             widths = widths_of.get(self.allocation_label)
             if widths is None:
                 raise ValueError("sglang-tree-v4's DeepSeek-V4 keeps its state in SGLang's hybrid sliding-window "
@@ -152,10 +158,12 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                 [slots] * len(widths))
             if entries:
                 logger.info("TREE_V4 entry rows: one per block of ratios %s over %d slots (pages of %d), plus %d "
-                            "draft-tree scratch rows per layer", sorted(set(token_ratios)), slots, self.page_size,
-                            scratch_rows)
+                            "draft-tree scratch rows per layer; entries kept as %s", sorted(set(token_ratios)),
+                            slots, self.page_size, scratch_rows, entry_format or self.store_dtype)
+            self.entry_format = entry_format
+            dtype = torch.uint8 if entries and entry_format else self.store_dtype
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-                self.k_buffer = [torch.zeros((n, 1, w), dtype=self.store_dtype, device=self.device)
+                self.k_buffer = [torch.zeros((n, 1, w), dtype=dtype, device=self.device)
                                  for n, w in zip(rows, widths)]
                 self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
@@ -170,12 +178,13 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                 super().move_kv_cache(tgt_loc, src_loc)
 
         def _build_kv_buffer_descs(self):
-            size = self.store_dtype.itemsize
-            return [KvBufferDesc(f"{prefix}{i}", tuple(b.shape), row_bytes=b[0].numel() * size, tokens_per_row=1)
+            return [KvBufferDesc(f"{prefix}{i}", tuple(b.shape), row_bytes=b[0].numel() * b.element_size(),
+                                 tokens_per_row=1)
                     for prefix, bufs in (("k", self.k_buffer), ("v", self.v_buffer)) for i, b in enumerate(bufs)]
 
     return TreeV4StatePool
 
 
-def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0) -> type:
-    return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg), token_layer_ratios(cfg), scratch_rows)
+def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format: str | None = None) -> type:
+    return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg, entry_format), token_layer_ratios(cfg),
+                            scratch_rows, entry_format)

@@ -29,24 +29,85 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from .config import CSA, HCA, SLIDING, DSV4Config
 
 
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+ENTRY_FORMATS = ("fp8_e4m3",)  # --kv-cache-dtype values our entries can be kept in besides the model's dtype
+
+
+@dataclass(frozen=True)
+class Fp8Codec:
+    """How a piece is kept as bytes: its first ``dim - rope`` channels as e4m3 in tiles of ``tile`` channels with
+    one power-of-two scale per tile (a UE8M0 exponent byte, or a float32 where ``scale_bytes == 4``), its last
+    ``rope`` channels in bf16, then ``pad`` zero bytes. At V4-Flash shapes these are upstream's fp8 entry (448 e4m3
+    + 64 bf16 + 7 scales + 1 pad = 584 B) and index key (128 e4m3 + a 4-byte scale = 132 B). Power-of-two scales
+    make the scaling exact: a decoded value is the e4m3 value times its tile's scale, whatever the device."""
+
+    dim: int
+    rope: int
+    tile: int
+    scale_bytes: int
+    pad: int = 0
+
+    @property
+    def quantized(self) -> int:
+        return self.dim - self.rope
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.quantized // self.tile)
+
+    @property
+    def nbytes(self) -> int:
+        return self.quantized + 2 * self.rope + self.tiles * self.scale_bytes + self.pad
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, dim]`` float -> ``[n, nbytes]`` uint8."""
+        n, q = x.shape[0], self.quantized
+        x = x.float()
+        tiles = F.pad(x[:, :q], (0, self.tiles * self.tile - q)).view(n, self.tiles, self.tile)
+        exponent = torch.ceil(torch.log2(tiles.abs().amax(-1).clamp(min=1e-8) / E4M3_MAX))
+        scale = torch.exp2(exponent)
+        e4m3 = (tiles / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        parts = [e4m3.view(n, self.tiles * self.tile)[:, :q].view(torch.uint8), x[:, q:].to(torch.bfloat16).view(torch.uint8),
+                 (exponent + 127).to(torch.uint8) if self.scale_bytes == 1 else scale.view(torch.uint8),
+                 torch.zeros(n, self.pad, dtype=torch.uint8, device=x.device)]
+        return torch.cat(parts, 1)
+
+    def decode(self, b: torch.Tensor) -> torch.Tensor:
+        """``[..., nbytes]`` uint8 -> ``[..., dim]`` float32 (all-zero bytes decode to zeros)."""
+        lead, q = b.shape[:-1], self.quantized
+        b = b.reshape(-1, self.nbytes)
+        n, s0 = b.shape[0], q + 2 * self.rope
+        scales = b[:, s0:s0 + self.tiles * self.scale_bytes].contiguous()
+        scale = torch.exp2(scales.float() - 127) if self.scale_bytes == 1 else scales.view(torch.float32)
+        vals = F.pad(b[:, :q].contiguous().view(torch.float8_e4m3fn).float(), (0, self.tiles * self.tile - q))
+        vals = (vals.view(n, self.tiles, self.tile) * scale[..., None]).view(n, self.tiles * self.tile)[:, :q]
+        rope = b[:, q:s0].contiguous().view(torch.bfloat16).float()
+        return torch.cat([vals, rope], 1).reshape(*lead, self.dim)
+
+
 @dataclass(frozen=True)
 class LayerLayout:
-    """Column layout of one layer's per-slot row: ``pieces[name] = (offset, width)``."""
+    """Column layout of one layer's per-slot row: ``pieces[name] = (offset, width)``; a piece in ``codecs`` is kept
+    as the codec's bytes (its width is ``nbytes``, its buffer uint8)."""
 
     pieces: dict[str, tuple[int, int]]
     width: int
+    codecs: dict[str, Fp8Codec] = field(default_factory=dict)
 
     @staticmethod
-    def of(named_widths: list[tuple[str, int]]) -> "LayerLayout":
+    def of(named_widths: list[tuple[str, int]], codecs: dict[str, Fp8Codec] | None = None) -> "LayerLayout":
+        codecs = {name: codecs[name] for name, _ in named_widths if name in (codecs or {})}
         pieces, off = {}, 0
         for name, w in named_widths:
+            w = codecs[name].nbytes if name in codecs else w
             pieces[name] = (off, w)
             off += w
-        return LayerLayout(pieces, off)
+        return LayerLayout(pieces, off, codecs)
 
 
 def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
@@ -66,15 +127,30 @@ def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
     raise ValueError(f"unknown layer type {layer_type!r}")
 
 
-def token_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
+def entry_codecs(cfg: DSV4Config, entry_format: str | None) -> dict[str, Fp8Codec]:
+    """How the entries are kept: in the store's dtype (None), or ``fp8_e4m3`` as upstream keeps them (``Fp8Codec``:
+    entries' non-rope channels in e4m3 tiles of 64 with UE8M0 scales and rope channels in bf16, index keys wholly
+    e4m3 with one float32 scale per 128 channels)."""
+    if entry_format is None:
+        return {}
+    if entry_format not in ENTRY_FORMATS:
+        raise ValueError(f"--kv-cache-dtype {entry_format}: DeepSeek-V4's entries are kept in the model's dtype "
+                         f"or as {', '.join(ENTRY_FORMATS)}")
+    return {"entry": Fp8Codec(cfg.head_dim, cfg.rope_dim, 64, 1, pad=1),
+            "ientry": Fp8Codec(cfg.index_head_dim, 0, 128, 4)}
+
+
+def token_layout(cfg: DSV4Config, layer_type: str, entry_format: str | None = None) -> LayerLayout:
     """Token-row pieces, what committed positions keep for ever: the entry a block-closing token computed
-    (HCA, CSA: ``entry``, head_dim; CSA also ``ientry``, index_head_dim), valid only in a closing token's row."""
+    (HCA, CSA: ``entry``, head_dim; CSA also ``ientry``, index_head_dim), valid only in a closing token's row;
+    with an ``entry_format`` as its bytes (``entry_codecs``)."""
+    codecs = entry_codecs(cfg, entry_format)
     if layer_type == SLIDING:
         return LayerLayout.of([])
     if layer_type == HCA:
-        return LayerLayout.of([("entry", cfg.head_dim)])
+        return LayerLayout.of([("entry", cfg.head_dim)], codecs)
     if layer_type == CSA:
-        return LayerLayout.of([("entry", cfg.head_dim), ("ientry", cfg.index_head_dim)])
+        return LayerLayout.of([("entry", cfg.head_dim), ("ientry", cfg.index_head_dim)], codecs)
     raise ValueError(f"unknown layer type {layer_type!r}")
 
 
@@ -82,8 +158,8 @@ def model_layouts(cfg: DSV4Config) -> list[LayerLayout]:
     return [layer_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
 
 
-def model_token_layouts(cfg: DSV4Config) -> list[LayerLayout]:
-    return [token_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
+def model_token_layouts(cfg: DSV4Config, entry_format: str | None = None) -> list[LayerLayout]:
+    return [token_layout(cfg, cfg.layer_type(i), entry_format) for i in range(cfg.num_layers)]
 
 
 def mtp_layouts(cfg: DSV4Config) -> list[LayerLayout]:
@@ -112,6 +188,9 @@ class SlotStore:
     forward, see ``ForwardBatch.entry_out`` and ``SlotTable.anc_entry``) and lands in scratch row ``q``; the
     accepted ones are copied to their canonical rows after acceptance (``commit_entries``).
 
+    A token piece with a codec (``LayerLayout.codecs``, fp8 entries) is kept as bytes in a uint8 buffer: ``write``
+    encodes, ``read`` decodes, ``readable`` hands the attention kernel decoded rows.
+
     ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
     ``buffers`` may be supplied by the caller (views of an SGLang KV pool); otherwise zeros. Writes are in place
     unless autograd needs the written values (training), in which case the buffer is replaced out of place so
@@ -131,7 +210,8 @@ class SlotStore:
         if token_buffers is None:
             dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
             token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
-                                         lay.width, dtype=dt, device=dev) for i, lay in enumerate(self.token_layouts)]
+                                         lay.width, dtype=torch.uint8 if lay.codecs else dt, device=dev)
+                             for i, lay in enumerate(self.token_layouts)]
         for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts)):
             for i, (b, lay) in enumerate(zip(bufs, lays)):
                 if b.dim() != 2 or b.shape[1] != lay.width:
@@ -158,6 +238,12 @@ class SlotStore:
             return self.buffers, *window, True
         return self.token_buffers, *self.token_layouts[layer].pieces[piece], False
 
+    def _codec(self, layer: int, piece: str) -> Fp8Codec | None:
+        return None if piece in self.layouts[layer].pieces else self.token_layouts[layer].codecs.get(piece)
+
+    def _rows(self, layer: int, slots: torch.Tensor, window: bool) -> torch.Tensor:
+        return self._window_rows(slots) if window else self._token_rows(layer, slots)
+
     def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Window rows of token ``slots`` (``-1`` stays ``-1``)."""
         if self.window_index is None:
@@ -173,15 +259,20 @@ class SlotStore:
 
     def index(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows of ``view(layer, piece)`` holding token ``slots`` (``-1`` stays ``-1``)."""
-        return self._window_rows(slots) if self._where(layer, piece)[3] else self._token_rows(layer, slots)
+        return self._rows(layer, slots, self._where(layer, piece)[3])
 
     def view(self, layer: int, piece: str) -> torch.Tensor:
         bufs, off, w, _ = self._where(layer, piece)
         return bufs[layer][:, off:off + w]
 
     def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        codec = self._codec(layer, piece)
+        self._write_stored(layer, piece, slots, values if codec is None else codec.encode(values))
+
+    def _write_stored(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write what the buffer holds (a codec's bytes for a coded piece)."""
         bufs, off, w, window = self._where(layer, piece)
-        rows = self._window_rows(slots) if window else self._token_rows(layer, slots)
+        rows = self._rows(layer, slots, window)
         buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
             cols = torch.arange(off, off + w, device=buf.device)
@@ -195,19 +286,37 @@ class SlotStore:
         per slot they write their row's own value back; with a row per block the row is shared with the block's
         other queries (whose write-back would race with the kept one), so they write to row 0 -- the block of
         SGLang's padding slot, never read -- instead."""
+        codec = self._codec(layer, piece)
+        stored = (values if codec is None else codec.encode(values)).to(self.view(layer, piece).dtype)
         if self._where(layer, piece)[3] or self._ratio(layer) <= 1:
-            values = torch.where(keep[:, None], values.to(self.view(layer, piece).dtype),
-                                 self.read(layer, piece, slots))
+            stored = torch.where(keep[:, None], stored, self._read_stored(layer, piece, slots))
         else:
             slots = torch.where(keep, slots, 0)
-        self.write(layer, piece, slots, values)
+        self._write_stored(layer, piece, slots, stored)
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them)."""
+        """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them). Coded pieces decoded."""
+        got = self._read_stored(layer, piece, slots)
+        codec = self._codec(layer, piece)
+        return got if codec is None else codec.decode(got)
+
+    def _read_stored(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         bufs, off, w, window = self._where(layer, piece)
-        rows = self._window_rows(slots) if window else self._token_rows(layer, slots)
+        rows = self._rows(layer, slots, window)
         got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
+
+    def readable(self, layer: int, piece: str, rows: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``[S, width]`` tensor of ``dtype`` a kernel can read at rows ``rows [N, E]`` (from ``index``, ``-1``:
+        none), and those rows in it: the piece's own columns, or for a coded piece its decoded rows (``[N*E]``,
+        renumbered). Decoding only the rows a step reads keeps the entries' bytes as they are in the pool."""
+        codec = self._codec(layer, piece)
+        if codec is None:
+            return self.view(layer, piece), rows
+        got = codec.decode(self.view(layer, piece)[rows.clamp(min=0).reshape(-1)]).to(dtype)
+        renumbered = torch.arange(rows.numel(), device=rows.device).view_as(rows)
+        return got, torch.where(rows >= 0, renumbered, -1)
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole rows (every layer, every piece, window and token rows) ``src[i] -> dst[i]``: the

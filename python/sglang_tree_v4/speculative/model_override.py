@@ -23,6 +23,7 @@ ARCH_TARGET = "sglang.srt.model_loader.utils.get_model_architecture"
 CHAT_TARGET = "sglang.srt.entrypoints.openai.chat_encoding.resolve_chat_encoding_spec"
 POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_kv_pool_class"
 POOL_SIZES_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+KV_DTYPE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.configure_kv_cache_dtype"
 _max_requests: dict[int, int | None] = {}  # configurator -> running-request capacity, while it builds its pool
 OWN_MODEL_ENV = "SGLANG_TREE_V4_OWN_MODEL"
 
@@ -34,8 +35,10 @@ def use_own_model() -> bool:
     return (os.environ.get(OWN_MODEL_ENV) == "1" or "TREE_V4" in sys.argv or cpu_only_machine())
 
 
-def sglang_config(raw: dict):
-    """The config SGLang sizes its pools and tokenizer from; ``raw`` travels along for our model."""
+def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1):
+    """The config SGLang sizes its pools and tokenizer from; ``raw`` travels along for our model. With fp8 entries
+    (``entry_format``) the full sub-pool's ``head_dim`` is their bytes in columns of ``itemsize`` bytes (the
+    server learns both later and sets it then, ``entry_dtype``)."""
     from transformers import PretrainedConfig
 
     from ..dsv4.config import DSV4Config
@@ -47,7 +50,7 @@ def sglang_config(raw: dict):
     config = PretrainedConfig(
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
-        head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg)), v_head_dim=sp.V_COLUMNS,
+        head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg, entry_format, itemsize)), v_head_dim=sp.V_COLUMNS,
         swa_head_dim=sp.pool_head_dim(window), swa_v_head_dim=sp.V_COLUMNS, swa_num_key_value_heads=1,
         is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
         sliding_window=sp.retained_window(cfg),
@@ -97,14 +100,48 @@ def state_pool(original, configurator, *args, **kwargs):
     """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pools (both
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
-    from ..dsv4.sglang_model import RAW_CONFIG_ATTR
+    from ..dsv4.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
     from ..dsv4.sglang_pool import model_state_pool_class, scratch_rows_of
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
     scratch = scratch_rows_of(getattr(configurator, "server_args", None), _max_requests.get(id(configurator)))
-    return model_state_pool_class(DSV4Config.from_dict(raw), scratch)
+    entry_format = getattr(configurator.model_config.hf_config, ENTRY_FORMAT_ATTR, None)
+    return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format)
+
+
+def entry_dtype(original, runner, *args, **kwargs):
+    """AROUND hook on ``ModelRunner.configure_kv_cache_dtype``: with ``--kv-cache-dtype fp8_e4m3`` our model keeps
+    its compressed entries as upstream's fp8 bytes (``storage.entry_codecs``) and everything else -- window keys,
+    compressor rows, the MTP's streams -- in the model's dtype. So SGLang builds and sizes a pool of the model's
+    dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the full sub-pool's ``head_dim``), and
+    our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag."""
+    import torch
+
+    from ..dsv4 import sglang_pool as sp
+    from ..dsv4.config import DSV4Config
+    from ..dsv4.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
+
+    out = original(runner, *args, **kwargs)
+    hf_config = getattr(runner.model_config, "hf_config", None)
+    raw = getattr(hf_config, RAW_CONFIG_ATTR, None)
+    if raw is None:
+        return out
+    kv, entry_format = runner.kv_cache_dtype, None
+    if kv.itemsize == 1 or "float4" in str(kv):
+        if kv != torch.float8_e4m3fn:
+            raise ValueError(f"--kv-cache-dtype {getattr(runner.server_args, 'kv_cache_dtype', kv)}: DeepSeek-V4 "
+                             "served by sglang-tree-v4 keeps its state in the model's dtype or bfloat16, or its "
+                             "compressed entries in fp8_e4m3")
+        entry_format = "fp8_e4m3"
+        runner.kv_cache_dtype, runner.kv_cache_dtype_str = runner.dtype, "auto"
+        runner.model_config.head_dim = sp.pool_head_dim(
+            sp.token_columns_per_slot(DSV4Config.from_dict(raw), entry_format, runner.dtype.itemsize))
+        logger.info("TREE_V4 DeepSeek-V4 state: compressed entries as %s, window rows in %s", entry_format,
+                    runner.dtype)
+    setattr(hf_config, ENTRY_FORMAT_ATTR, entry_format)
+    return out
 
 
 def remember_pool_sizes(original, configurator, *args, **kwargs):
@@ -126,3 +163,4 @@ def install() -> None:
     HookRegistry.register(CHAT_TARGET, chat_encoding, HookType.AROUND)
     HookRegistry.register(POOL_TARGET, state_pool, HookType.AROUND)
     HookRegistry.register(POOL_SIZES_TARGET, remember_pool_sizes, HookType.AROUND)
+    HookRegistry.register(KV_DTYPE_TARGET, entry_dtype, HookType.AROUND)
