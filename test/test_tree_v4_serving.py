@@ -10,7 +10,6 @@ than 300 tokens so that HCA boundaries fall inside draft trees.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from pathlib import Path
 
 import pytest
@@ -58,31 +57,13 @@ def servers(model, tmp_path_factory):
             s.stop()
 
 
-def eval_prompts(tokenizer_server) -> list[dict]:
-    """20 short prompts plus long ones (> 300 tokens), as generate payload fragments."""
-    texts = ([r["question"] for r in prompts.gsm8k("test")[:8]]
-             + [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:6]]
-             + prompts.sharegpt_prompts(6))
-    items = [{"text": t} for t in texts]
-    long_text = " ".join(prompts.sharegpt_prompts(40)[-20:])
-    ids = tokenizer_server.post("/tokenize", {"prompt": long_text}).json()["tokens"]
-    assert len(ids) > 420
-    items += [{"input_ids": ids[:310]}, {"input_ids": ids[:333]}, {"input_ids": ids[:421]}]
-    return items
-
-
-def run_all(server, items: list[dict], sampling: dict) -> list[dict]:
-    with cf.ThreadPoolExecutor(len(items)) as pool:
-        return list(pool.map(lambda it: server.generate({**it, "sampling_params": sampling}), items))
-
-
 @pytest.fixture(scope="module")
 def greedy_outputs(servers):
-    items = eval_prompts(servers["plain"])
+    items = checks.eval_prompts(servers["plain"])
     # 32 concurrent mixed-length requests per server: the prompts, then repeats of the first ones.
     items = (items * 2)[:32]
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    return {name: run_all(s, items, sampling) for name, s in servers.items()}
+    return {name: checks.run_all(s, items, sampling) for name, s in servers.items()}
 
 
 @pytest.mark.parametrize("shape", SPECULATIVE)
@@ -218,28 +199,7 @@ def test_radix_hits_give_the_tokens_of_a_cold_run(servers):
     (``cached_tokens``: the prompt's two whole pages for 45, the 14 whole pages for 230; a match of 32 for 37 would
     leave no token to compute the window from, so 37 checks tokens only), so the request computes its own page
     after the match and reads the entries of the cached blocks."""
-    text = " ".join(prompts.sharegpt_prompts(36)[28:36])
-    ids = servers["plain"].post("/tokenize", {"prompt": text}).json()["tokens"]
-    prompt, tail = ids[:40], ids[60:67]
-    first_sampling = {"max_new_tokens": 220, "temperature": 0, "ignore_eos": True}
-    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    hits = {}
-    for shape in ("tree", "plain"):
-        first = servers[shape].generate({"input_ids": prompt, "sampling_params": first_sampling})
-        seq = prompt + first["output_ids"]
-        hits[shape] = {n: servers[shape].generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
-                       for n in (37, 45, 230)}
-        hits[shape]["seq"] = seq
-    assert hits["tree"]["seq"] == hits["plain"]["seq"]
-    seq = hits["plain"]["seq"]
-    for n in (37, 45, 230):
-        assert servers["plain"].post("/flush_cache", {}).status_code == 200
-        cold = servers["plain"].generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
-        assert cold["meta_info"]["cached_tokens"] == 0
-        for shape in ("tree", "plain"):
-            hit = hits[shape][n]
-            assert hit["output_ids"] == cold["output_ids"], (shape, n)
-            assert hit["meta_info"]["cached_tokens"] >= {37: 0, 45: 32, 230: 224}[n], (shape, n, hit["meta_info"])
+    checks.assert_radix_hits_match_cold_runs(servers["plain"], servers["tree"])
 
 
 SAMPLES_PER_CASE = 500

@@ -2,6 +2,7 @@
 must pass on the real server and fail on a server with an injected fault: ``support/mutations``).
 
 * ``assert_speculation_exercised``: outputs of a greedy-identity check really went through accepted drafts.
+* ``eval_prompts`` / ``run_all`` / ``assert_radix_hits_match_cold_runs``: the greedy-identity loads.
 * ``idle_used_tokens_after_load``: 200 mixed requests, 20 dropped mid-stream, then the idle server's token pool,
   read without flushing anything.
 * ``sampled_position_stats``: sampled continuations scored against the target's exact conditional distributions.
@@ -39,6 +40,54 @@ def assert_speculation_exercised(outputs: list[dict]) -> None:
     accepted = sum(len(o["output_ids"]) - 1 - o["meta_info"]["spec_verify_ct"] for o in outputs)
     assert rounds > 0, "no verify round ran"
     assert accepted > 0 and rounds < tokens, f"no draft accepted: {rounds} verify rounds for {tokens} tokens"
+
+
+# --- greedy identity ---------------------------------------------------------------------------------------------
+def eval_prompts(tokenizer_server) -> list[dict]:
+    """20 short prompts plus long ones (> 300 tokens), as generate payload fragments."""
+    texts = ([r["question"] for r in prompts.gsm8k("test")[:8]]
+             + [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:6]]
+             + prompts.sharegpt_prompts(6))
+    items = [{"text": t} for t in texts]
+    long_text = " ".join(prompts.sharegpt_prompts(40)[-20:])
+    ids = tokenizer_server.post("/tokenize", {"prompt": long_text}).json()["tokens"]
+    assert len(ids) > 420
+    items += [{"input_ids": ids[:310]}, {"input_ids": ids[:333]}, {"input_ids": ids[:421]}]
+    return items
+
+
+def run_all(server, items: list[dict], sampling: dict) -> list[dict]:
+    """All ``items`` at once (batched by the server)."""
+    with cf.ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(lambda it: server.generate({**it, "sampling_params": sampling}), items))
+
+
+def assert_radix_hits_match_cold_runs(plain, spec) -> None:
+    """A 40-token prompt decodes 220 tokens, then requests sharing its first 37, 45 and 230 tokens go on with other
+    tokens; on ``spec`` and ``plain`` each gives the tokens of a cold run (``plain`` after a cache flush) and the
+    hits are real (whole pages of 16: at least 32 cached for 45, 224 for 230). The test that calls it says why."""
+    text = " ".join(prompts.sharegpt_prompts(36)[28:36])
+    ids = plain.post("/tokenize", {"prompt": text}).json()["tokens"]
+    prompt, tail = ids[:40], ids[60:67]
+    first_sampling = {"max_new_tokens": 220, "temperature": 0, "ignore_eos": True}
+    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    hits = {}
+    for name, server in (("spec", spec), ("plain", plain)):
+        first = server.generate({"input_ids": prompt, "sampling_params": first_sampling})
+        seq = prompt + first["output_ids"]
+        hits[name] = {n: server.generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
+                      for n in (37, 45, 230)}
+        hits[name]["seq"] = seq
+    assert hits["spec"]["seq"] == hits["plain"]["seq"]
+    seq = hits["plain"]["seq"]
+    for n in (37, 45, 230):
+        assert plain.post("/flush_cache", {}).status_code == 200
+        cold = plain.generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
+        assert cold["meta_info"]["cached_tokens"] == 0
+        for name in ("spec", "plain"):
+            hit = hits[name][n]
+            assert hit["output_ids"] == cold["output_ids"], (name, n)
+            assert hit["meta_info"]["cached_tokens"] >= {37: 0, 45: 32, 230: 224}[n], (name, n, hit["meta_info"])
 
 
 # --- leaks -----------------------------------------------------------------------------------------------------
