@@ -3,14 +3,17 @@
     python benchmark/sweep.py [--quick] [--datasets gsm8k mbpp sharegpt] [--budgets 5 6 7 8]
         [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
         [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8] [--max-new-tokens 64]
-        [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
+        [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
 the per-request ``meta_info`` counts make restarts unnecessary. The servers of one budget (tree and chain) run
 side by side and each point is measured on one, then the other, so both see the same background load. Each point
 sends ``num_prompts`` prompts (default max(batch size, --min-prompts)) with ``batch_size`` requests in flight, greedy
 (temperature 0) and ignoring EOS so every request decodes ``--max-new-tokens`` tokens, as SGLang's own benchmarks
-do. One JSONL line per point (fields:
+do. Before a point is measured, each server runs it ``--warmup-runs`` times unmeasured: the first run at a new
+batch size pays for memory the server touches for the first time (and an adaptive server has not yet timed its
+shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line per point
+(fields:
 ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short run keeps its points.
 The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
 """
@@ -48,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure each point this many times (in turn across the servers); the median run is kept")
+    ap.add_argument("--warmup-runs", type=int, default=1,
+                    help="unmeasured runs of each point on each server before its measured ones")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
     ap.add_argument("--device", default=None, help="launch_server --device (default: cuda if present, else cpu)")
@@ -153,6 +158,12 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
         for ds in args.datasets:
             for bs in args.batch_sizes:
                 runs: dict[tuple, list[dict]] = {cfg: [] for cfg in servers if (cfg, ds, bs) in points}
+                for _ in range(args.warmup_runs):
+                    for cfg in runs:
+                        try:
+                            bench_server.measure(servers[cfg], texts[ds][:n_for[bs]], bs, sampling)
+                        except Exception:  # noqa: BLE001 - reported by the measured runs below
+                            pass
                 for _ in range(args.repeats):  # in turn, so every shape sees each stretch of background load
                     for cfg in list(runs):
                         shape, budget, topk, steps = cfg

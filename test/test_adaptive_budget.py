@@ -148,3 +148,41 @@ def test_shape_menu_covers_no_speculation_and_every_reachable_tree():
     menu = shape_menu(8, 3, 4)
     assert menu[0] == NO_SPECULATION and (8, 4) in menu and (2, 1) in menu
     assert all(d - 1 >= s for d, s in menu[1:]) and (5, 1) not in menu  # depth 1 holds at most K = 3 nodes
+
+
+class _Forgetful(dict):
+    """The policy's per-batch-size memory of whether it speculated, never written: the rule without hysteresis."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def _noisy_served_share(advantage: float, hysteresis: bool, seed: int = 0) -> float:
+    """Share of speculative steps (after 1000 to settle) at batch 1 when the D8 S4 tree truly emits ``advantage``
+    times the baseline's tokens per second and every other tree breaks even, each served step time off by up to
+    +-25 % (as on the CPU)."""
+    import random
+    rng = random.Random(seed)
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    if not hysteresis:
+        policy.speculating = _Forgetful()
+
+    def seconds(shape):
+        pays = advantage if shape == (8, 4) else 1.0
+        return 0.01 * policy.stats.expected(shape) / pays * rng.uniform(0.75, 1.25)
+
+    chosen = _served(policy, 1, 3000, seconds)
+    return sum(c != NO_SPECULATION for c in chosen[1000:]) / 2000
+
+
+@pytest.mark.parametrize("hysteresis", [True, False])
+def test_hysteresis_keeps_a_tree_that_pays_through_noisy_step_times(hysteresis):
+    """A tree 15 % ahead, estimated from step times as noisy as this CPU's: entering speculation needs the margin,
+    leaving it needs the baseline ahead, so the policy stays with the tree (>= 93 % of the steps, the rest being
+    baseline probes); without hysteresis (the control) every dip of the estimate under the margin drops it."""
+    share = _noisy_served_share(1.15, hysteresis)
+    assert (share >= 0.93) if hysteresis else (share < 0.93), share
+
+
+def test_hysteresis_does_not_keep_a_tree_that_loses():
+    assert _noisy_served_share(0.9, True) <= 0.02

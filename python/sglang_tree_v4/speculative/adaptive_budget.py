@@ -7,7 +7,11 @@ catches up over what it missed, at most one window). For a batch of B requests t
 
     argmax over shapes   B * A(D, S) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
 
-with every speculative shape's rate divided by ``SPECULATION_MARGIN`` (speculate only where it clearly pays).
+speculating only where it clearly pays: from "no speculation" the policy moves to the best tree only where that
+tree's rate is ``SPECULATION_MARGIN`` times the baseline's, and it moves back only once the baseline's rate is
+above the tree's. The band between is hysteresis (per batch size): on a machine where one step's time varies by
+tens of percent, a tree that pays 15-30 % would otherwise be dropped whenever a noisy estimate dips under the
+margin (the CPU sweep ran without speculation on about a fifth of its batch-1 steps that way).
 
 * ``A(D, S)``, the expected tokens a request emits per step with that shape, comes from online acceptance
   statistics. Every verified tree also answers for every smaller shape: keeping only the nodes of depth <= S and,
@@ -193,20 +197,14 @@ class AdaptivePolicy:
         self.steps = 0
         self.since_explore = 0
         self.since_baseline = 0
+        self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
 
     def choose(self, batch: int) -> tuple[int, int]:
         """The shape for this step (on the deciding rank)."""
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return self.largest
-        best, best_rate, best_s = self.largest, -1.0, None
-        for shape in self.menu:
-            accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
-            if accepted is None or seconds is None or seconds <= 0:
-                continue
-            rate = batch * accepted / seconds / (1.0 if shape == NO_SPECULATION else SPECULATION_MARGIN)
-            if rate > best_rate:
-                best, best_rate, best_s = shape, rate, seconds
+        best, best_s = self._decide(batch)
         largest_s = self.times.predict(batch, self.largest)
         self.since_explore += 1
         self.since_baseline += 1
@@ -219,6 +217,25 @@ class AdaptivePolicy:
         if best == NO_SPECULATION:
             self.since_baseline = 0
         return best
+
+    def _decide(self, batch: int) -> tuple[tuple[int, int], float | None]:
+        """The policy's own choice (before exploration and baseline probes) and its predicted step time: the best
+        tree against the baseline, with the hysteresis of the module doc."""
+        rates: dict[tuple[int, int], tuple[float, float]] = {}
+        for shape in self.menu:
+            accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
+            if accepted is not None and seconds is not None and seconds > 0:
+                rates[shape] = (batch * accepted / seconds, seconds)
+        trees = [s for s in rates if s != NO_SPECULATION]
+        if not trees:
+            return (NO_SPECULATION, rates[NO_SPECULATION][1]) if NO_SPECULATION in rates else (self.largest, None)
+        tree = max(trees, key=lambda s: rates[s][0])
+        if NO_SPECULATION in rates:  # ties go to the baseline
+            bar = 1.0 if self.speculating.get(batch, False) else SPECULATION_MARGIN
+            if rates[tree][0] <= bar * rates[NO_SPECULATION][0]:
+                tree = NO_SPECULATION
+        self.speculating[batch] = tree != NO_SPECULATION
+        return tree, rates[tree][1]
 
     def _baseline_due(self, batch: int) -> bool:
         """Whether this step should run without speculation to measure the baseline at this batch size: a
