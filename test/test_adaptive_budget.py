@@ -186,3 +186,19 @@ def test_hysteresis_keeps_a_tree_that_pays_through_noisy_step_times(hysteresis):
 
 def test_hysteresis_does_not_keep_a_tree_that_loses():
     assert _noisy_served_share(0.9, True) <= 0.02
+
+
+@pytest.mark.parametrize("observed_ahead,want", [(0.97, NO_SPECULATION), (1.03, (2, 1))])
+def test_only_observed_trees_get_the_hysteresis_band(observed_ahead, want):
+    """While speculating at a batch size: a tree the policy has only modelled there (here 5 % ahead of the
+    baseline, inside the band) must still clear the margin, so the policy stays with the best tree it has observed
+    if that one is ahead of the baseline, and otherwise stops speculating."""
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    batch, t_none = 16, 0.02
+    ahead = {(2, 1): observed_ahead, (8, 4): 1.05}
+    seconds = {shape: t_none * policy.stats.expected(shape) / a for shape, a in ahead.items()}
+    seconds[NO_SPECULATION] = t_none
+    policy.times.observed = {(batch, *NO_SPECULATION): t_none, (batch, 2, 1): seconds[(2, 1)]}
+    policy.times.predict = lambda b, shape: seconds.get(shape)
+    policy.speculating[batch] = True
+    assert policy._decide(batch)[0] == want

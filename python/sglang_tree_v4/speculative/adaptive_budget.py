@@ -9,9 +9,12 @@ catches up over what it missed, at most one window). For a batch of B requests t
 
 speculating only where it clearly pays: from "no speculation" the policy moves to the best tree only where that
 tree's rate is ``SPECULATION_MARGIN`` times the baseline's, and it moves back only once the baseline's rate is
-above the tree's. The band between is hysteresis (per batch size): on a machine where one step's time varies by
-tens of percent, a tree that pays 15-30 % would otherwise be dropped whenever a noisy estimate dips under the
-margin (the CPU sweep ran without speculation on about a fifth of its batch-1 steps that way).
+above that of every tree it has observed at this batch size. The band between is hysteresis (per batch size): on a
+machine where one step's time varies by tens of percent, a tree that pays 15-30 % would otherwise be dropped
+whenever a noisy estimate dips under the margin (the CPU sweep ran without speculation on about a fifth of its
+batch-1 steps that way). Only observed trees get the band: a tree whose time at this batch size is still the
+model's must clear the margin (a first sweep with the band for every tree kept switching among trees the startup
+model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
 
 * ``A(D, S)``, the expected tokens a request emits per step with that shape, comes from online acceptance
   statistics. Every verified tree also answers for every smaller shape: keeping only the nodes of depth <= S and,
@@ -230,10 +233,17 @@ class AdaptivePolicy:
         if not trees:
             return (NO_SPECULATION, rates[NO_SPECULATION][1]) if NO_SPECULATION in rates else (self.largest, None)
         tree = max(trees, key=lambda s: rates[s][0])
-        if NO_SPECULATION in rates:  # ties go to the baseline
-            bar = 1.0 if self.speculating.get(batch, False) else SPECULATION_MARGIN
-            if rates[tree][0] <= bar * rates[NO_SPECULATION][0]:
-                tree = NO_SPECULATION
+        if NO_SPECULATION in rates:
+            speculating = self.speculating.get(batch, False)
+            seen = [s for s in trees if (batch, *s) in self.times.observed]
+
+            def pays(shape) -> bool:  # ties go to the baseline
+                bar = 1.0 if speculating and shape in seen else SPECULATION_MARGIN
+                return rates[shape][0] > bar * rates[NO_SPECULATION][0]
+
+            if not pays(tree):
+                alt = max(seen, key=lambda s: rates[s][0]) if speculating and seen else None
+                tree = alt if alt is not None and pays(alt) else NO_SPECULATION
         self.speculating[batch] = tree != NO_SPECULATION
         return tree, rates[tree][1]
 
