@@ -2,7 +2,7 @@
 
 The step (``dsv4.verify_step``: target forward over trees that cross CSA and HCA block boundaries, greedy and
 stochastic acceptance, accepted-path state writes; and the server's verify forward over its pool layout -- entries
-a row per block, draft-tree scratch -- with the accepted entries' commit), one MTP draft step and a whole EAGLE-2 draft after the root's
+a row per block, draft-tree scratch, also with the entries as fp8 bytes -- with the accepted entries' commit), one MTP draft step and a whole EAGLE-2 draft after the root's
 (``build_draft_tree``: further MTP steps and the rerank) run with every tensor on the ``meta``
 device -- weights, pools, request tables, trees, coins. Meta tensors refuse ``item``, ``tolist``, ``bool``,
 ``nonzero``, ``unique`` and boolean-mask indexing, so a step that completes there reads nothing back to the host and
@@ -26,7 +26,7 @@ from sglang_tree_v4.dsv4.quantize import build_model
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, verify_table
 from sglang_tree_v4.dsv4.sglang_pool import entry_ratios
-from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, StepCaps
+from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, StepCaps, model_token_layouts
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
 from sglang_tree_v4.dsv4.weights import load_model
@@ -49,9 +49,9 @@ def meta_tree(B: int, D: int) -> DraftTree:
                      torch.empty(B, dtype=torch.long, device="meta"))
 
 
-def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
+def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format: str | None = None) -> dict:
     """One verify step (greedy and sampled acceptance, commit) and one MTP draft step, all on meta; returns the
-    output shapes."""
+    output shapes. ``entry_format``: how the server's pool keeps the entries (``fp8_e4m3``: as bytes)."""
     cfg = model.cfg
     dt = model.embed.weight.dtype
     slots = 1 << 16
@@ -83,7 +83,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
         assert out.logits.is_meta and out.verdict.tokens.is_meta
     # The server's verify forward over its pool layout: entries one row per block of each ratio and the tree
     # scratch (nodes out of their own slot, ``tree_entry_slots``), then the accepted entries' commit.
-    paged = SlotStore(store.layouts, slots, dt, "meta", token_layouts=store.token_layouts,
+    paged = SlotStore(store.layouts, slots, dt, "meta", token_layouts=model_token_layouts(cfg, entry_format),
                       window_index=window_index, entry_ratios=entry_ratios(cfg), scratch_rows=B * D)
     mask = torch.empty(B * D * D, dtype=torch.bool, device="meta")
     out_slots = torch.empty(B * D, dtype=torch.long, device="meta")
@@ -93,6 +93,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps) -> dict:
     logits = model(fb, paged).logits
     commit_accepted_entries(paged, torch.empty(B, D, dtype=torch.long, device="meta"), req_table, lens, D)
     assert logits.is_meta and all(b.is_meta for b in paged.token_buffers)
+    assert (entry_format is None) != any(b.dtype == torch.uint8 for b in paged.token_buffers)
     shapes["server_verify"] = tuple(logits.shape)
     # One MTP draft step: K frontier nodes per request at depth 1, reading the committed rows and their ancestors.
     drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, D, K)
@@ -128,12 +129,13 @@ def embedded_on_meta():
     return build_model(DSV4Config.from_dict(raw), raw, dtype=torch.bfloat16, device="meta")
 
 
-@pytest.mark.parametrize("bucket", [(2, 4, 2), (16, 8, 3)], ids=["B2-D4-K2", "B16-D8-K3"])
+@pytest.mark.parametrize("bucket", [(2, 4, 2, None), (16, 8, 3, None), (2, 4, 2, "fp8_e4m3")],
+                         ids=["B2-D4-K2", "B16-D8-K3", "B2-D4-K2-fp8-entries"])
 def test_step_runs_on_meta_embedded_config(bucket):
-    B, D, K = bucket
+    B, D, K, entry_format = bucket
     model = embedded_on_meta()
     caps = StepCaps(model.cfg.max_position_embeddings)
-    shapes = run_step_on_meta(model, B, D, K, caps)
+    shapes = run_step_on_meta(model, B, D, K, caps, entry_format)
     V = model.cfg.vocab_size
     assert shapes["greedy"] == shapes["sampled"] == ((B, D, V), (B, D), (B,))
     assert shapes["server_verify"] == (B * D, V)
