@@ -9,7 +9,8 @@ server's ``PYTHONPATH`` and a plain ``sglang.launch_server`` is started with ``-
 SGLang gives the KV pool the memory free after loading minus ``1 - fraction`` of what was free before) and a token
 cap far above it, so the memory decides; the server's ``max_total_num_tokens`` is read from ``/get_server_info`` and
 the server stopped before the next one starts. The trees alternate ``--repeats`` times (the free memory drifts), and
-each one's median is kept; with several ``--kv-cache-dtypes`` every tree is run with each of them. Why: the footprint report predicts the bytes per token from the pool class; this is what
+each one's median is kept; with several ``--kv-cache-dtypes`` every tree is run with each of them. Why: the
+footprint report predicts the bytes per token from the pool class; this is what
 a user's server does with them.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 from dsv4_tiny import rel_err
 from sglang_tree_v4.dsv4.config import DSV4Config
-from sglang_tree_v4.dsv4.storage import E4M3_MAX, Fp8Codec, entry_codecs
+from sglang_tree_v4.dsv4.entry_codec import E4M3_MAX, Fp8Codec, entry_codecs
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]

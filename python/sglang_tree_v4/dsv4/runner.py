@@ -30,7 +30,7 @@ class DSV4Runner:
 
     def __init__(self, model: DSV4Model, num_slots: int = 4096, max_len: int = 4096, max_reqs: int = 64,
                  entry_format: str | None = None):
-        """``entry_format``: how compressed entries are kept (``storage.entry_codecs``; None: the model's dtype)."""
+        """``entry_format``: how compressed entries are kept (``entry_codec.entry_codecs``; None: the model's dtype)."""
         self.model = model
         dev = model.embed.weight.device
         dt = model.embed.weight.dtype

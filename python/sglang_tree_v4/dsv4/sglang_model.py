@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "TreeV4DSV4ForCausalLM"  # no "DeepseekV4" substring: SGLang keys V4 special cases on it
 RAW_CONFIG_ATTR = "tree_v4_dsv4_config"
-ENTRY_FORMAT_ATTR = "tree_v4_entry_format"  # how the entries are kept (``storage.entry_codecs``; None: pool dtype)
+ENTRY_FORMAT_ATTR = "tree_v4_entry_format"  # how entries are kept (``entry_codec.entry_codecs``; None: pool dtype)
 
 
 def tree_ancestor_slots(custom_mask: torch.Tensor, out_slots: torch.Tensor, bs: int, n: int) -> torch.Tensor:

@@ -136,8 +136,8 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
         def _create_buffers(self):
             if self.is_quantized_kv_cache or self.post_capture_active or self.kv_cache_layout != "nhd":
                 raise ValueError("TREE_V4's DeepSeek-V4 state pool supports an unquantized, token-major KV cache "
-                                 "only (--kv-cache-dtype auto/bfloat16/float32, or fp8_e4m3 for the entries; no post-capture "
-                                 "backing)")
+                                 "only (--kv-cache-dtype auto/bfloat16/float32, or fp8_e4m3 for the entries; no "
+                                 "post-capture backing)")
             widths = widths_of.get(self.allocation_label)
             if widths is None:
                 raise ValueError("sglang-tree-v4's DeepSeek-V4 keeps its state in SGLang's hybrid sliding-window "

@@ -113,7 +113,7 @@ def state_pool(original, configurator, *args, **kwargs):
 
 def entry_dtype(original, runner, *args, **kwargs):
     """AROUND hook on ``ModelRunner.configure_kv_cache_dtype``: with ``--kv-cache-dtype fp8_e4m3`` our model keeps
-    its compressed entries as upstream's fp8 bytes (``storage.entry_codecs``) and everything else -- window keys,
+    its compressed entries as upstream's fp8 bytes (``entry_codec.entry_codecs``) and everything else -- window keys,
     compressor rows, the MTP's streams -- in the model's dtype. So SGLang builds and sizes a pool of the model's
     dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the full sub-pool's ``head_dim``), and
     our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag."""
