@@ -110,16 +110,18 @@ def make_case(hca, lens, prompt_len, seed, entry_format=None):
     return hf, model, runner, prompt, rids
 
 
+HCA8_LENS = [20, 21, 22, 23, 24, 25, 26, 27]  # every offset mod 4 and mod 8; > window 16; > 4 x index_topk / 4
+
+
 @pytest.fixture(scope="module")
 def hca8():
-    lens = [20, 21, 22, 23, 24, 25, 26, 27]  # every offset mod 4 and mod 8; > window 16; > 4 x index_topk / 4
-    return make_case(8, lens, 27, seed=41)
+    return make_case(8, HCA8_LENS, 27, seed=41)
 
 
 @pytest.fixture(scope="module")
 def hca8_fp8():
     """The same case with the entries kept as fp8 bytes (``--kv-cache-dtype fp8_e4m3``)."""
-    return make_case(8, [20, 21, 22, 23, 24, 25, 26, 27], 27, seed=41, entry_format="fp8_e4m3")
+    return make_case(8, HCA8_LENS, 27, seed=41, entry_format="fp8_e4m3")
 
 
 SHAPES8 = lambda rng: [chain(9), star(16), kary(2, 3), kary(3, 2), rand_tree(16, 8, rng), rand_tree(16, 8, rng),

@@ -212,6 +212,14 @@ def score_against_target(model, prompt_ids: list[int], setting: dict, samples: l
     return ({k: torch.cat(v) for k, v in hits.items()}, {k: torch.cat(v) for k, v in probs_of.items()})
 
 
+def assert_follows_target(stats: SampledStats) -> None:
+    """The run has the power its docstring promises for each statistic, and no statistic is off by more than
+    ``Z_CRITICAL`` standard deviations."""
+    for stat in stats.z:
+        assert stats.positions >= stats.required_positions(stat), ("underpowered", stat, stats)
+        assert abs(stats.z[stat]) <= Z_CRITICAL, (stat, stats)
+
+
 def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n: int, new_tokens: int,
                            entry_format: str | None = None) -> SampledStats:
     """Pooled over cases, samples and positions, for each statistic: ``z = sum(hit - P) / sqrt(sum P (1 - P))``.

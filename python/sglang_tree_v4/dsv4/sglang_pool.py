@@ -82,9 +82,8 @@ def check_page_size(cfg: DSV4Config, page_size: int | None) -> int:
 def token_columns_per_slot(cfg: DSV4Config, entry_format: str | None = None, itemsize: int = 1) -> list[float]:
     """Entry columns per token slot of each entry layer (width / ratio); with an ``entry_format`` its bytes in
     columns of a pool dtype of ``itemsize`` bytes (what SGLang sizes the pool in)."""
-    if entry_format is None:
-        return [w / r for w, r in zip(token_layer_widths(cfg), token_layer_ratios(cfg))]
-    return [w / r / itemsize for w, r in zip(token_layer_widths(cfg, entry_format), token_layer_ratios(cfg))]
+    size = itemsize if entry_format else 1
+    return [w / r / size for w, r in zip(token_layer_widths(cfg, entry_format), token_layer_ratios(cfg))]
 
 
 def pool_head_dim(widths: list[float]) -> int:
