@@ -201,8 +201,9 @@ def test_footprint_state_of_the_published_v4_flash_config():
     widest, 273,754 unpadded, 47,442 with a full entry row per token). A window row holds the rest -- keys (43
     layers + MTP, 512), compressor rows (CSA 2 x 1024 + 2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096)
     -- and a request holds at most 256 + 127 window rows (SGLang keeps the retained window of 129 rounded up to whole
-    pages, and frees whole pages) + 17 for the draft tree, 17 + 127 token slots beyond its committed tokens
-    (reservation, last page) and 8 scratch rows (one entry of every layer per draft node). The split by kind adds
+    pages, and frees whole pages) + 8 for the verify block, 8 + 127 token slots beyond its committed tokens
+    (reservation, last page), 8 scratch rows (one entry of every layer per draft node) and 9 MTP scratch rows (the
+    K (S - 1) draft nodes past the root). The split by kind adds
     up; upstream's fp8 layout needs about 3.85 KB per token.
 
     With ``--kv-cache-dtype fp8_e4m3`` the entries are upstream's fp8 bytes -- 584 per entry (448 e4m3, 64 bf16
@@ -215,15 +216,17 @@ def test_footprint_state_of_the_published_v4_flash_config():
     token = (21 * (512 + 128) // 4 + 20 * 512 // 128 + 41) * 2
     window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) + 20 * 2 * 512 + 4 * 4096 + 45) * 2
     scratch_row = (21 * (512 + 128) + 20 * 512) * 2
+    mtp_scratch = 3 * 3 * 512 * 2  # K (S - 1) rows of the MTP layer's window key
     assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row
-    assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row
-    assert r["draft_tree_slots_per_request"] == 8 + 3 * 3  # the default D=8 K=3 S=4 tree's reservation
-    assert r["window_rows_per_request"] == 256 + 127 + 17
-    assert r["state_bytes_per_request"] == 400 * window_row + (17 + 127) * token + 8 * scratch_row + 131072 * 4
+    assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row + mtp_scratch
+    assert r["draft_tree_slots_per_request"] == 8  # the default D=8 K=3 S=4 tree's verify block
+    assert r["window_rows_per_request"] == 256 + 127 + 8
+    assert r["state_bytes_per_request"] == (391 * window_row + (8 + 127) * token + 8 * scratch_row + mtp_scratch
+                                            + 131072 * 4)
     kinds = r["state_bytes_by_kind"]
     assert sum(v for k, v in kinds.items() if k != "req_to_token") == (
-        token * (r["state_tokens"] + 64 * 144) + window_row * 64 * 400 + 64 * 8 * scratch_row)
-    assert kinds["compressed_entries"] == (21 * 640 // 4 + 20 * 512 // 128) * 2 * (1_000_000 + 64 * 144)
+        token * (r["state_tokens"] + 64 * 135) + window_row * 64 * 391 + 64 * (8 * scratch_row + mtp_scratch))
+    assert kinds["compressed_entries"] == (21 * 640 // 4 + 20 * 512 // 128) * 2 * (1_000_000 + 64 * 135)
     assert r["state_bytes"] == 1_000_000 * r["state_bytes_per_token"] + 64 * r["state_bytes_per_request"]
     assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
     import subprocess
@@ -233,9 +236,9 @@ def test_footprint_state_of_the_published_v4_flash_config():
     fp8_entries = 21 * (584 + 132) / 4 + 20 * 584 / 128
     assert fp8_entries == 3850.25 and fp8["state_bytes_per_token"] == fp8_entries + 41 * 2 <= 4000
     assert abs(fp8_entries - fp8["upstream_fp8_state_bytes_per_token"]) < 0.1
-    assert fp8["state_bytes_by_kind"]["compressed_entries"] == round(fp8_entries * (1_000_000 + 64 * 144))
+    assert fp8["state_bytes_by_kind"]["compressed_entries"] == round(fp8_entries * (1_000_000 + 64 * 135))
     assert fp8["window_row_bytes"] == window_row and fp8["kv_cache_dtype"] == "fp8_e4m3"
-    assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584)
+    assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584) + mtp_scratch
     assert fp8["state_bytes_per_token"] <= 2 * 4000 and r["state_bytes_per_token"] <= 2 * 4000  # bf16: <= 2x
     bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
                           "--kv-cache-dtype", "fp8_e5m2"], capture_output=True, text=True, timeout=300)
@@ -280,15 +283,17 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
         assert 0 <= len(widths) * (hd + vd) - real < len(widths)
     page, ratios, scratch = state_page_size(cfg), token_layer_ratios(cfg), 6
     assert all(page % r == 0 for r in ratios)
-    pool_class = model_state_pool_class(cfg, scratch)
+    mtp_scratch, mtp = 4, cfg.num_nextn_predict_layers
+    pool_class = model_state_pool_class(cfg, scratch, mtp_scratch_rows=mtp_scratch)
     for label, widths, hd in ((WINDOW_LABEL, window, pc.swa_head_dim), (TOKEN_LABEL, token, pc.head_dim)):
         pool = pool_class(size=4 * page, page_size=page, dtype=torch.float32, head_num=1, head_dim=hd,
                           layer_num=len(widths), device="cpu", enable_memory_saver=False, allocation_label=label)
         assert [b.shape[-1] for b in pool.k_buffer] == widths and all(b.shape[-1] == 1 for b in pool.v_buffer)
         pool.k_buffer[-1][2] = 7.0
         pool.move_kv_cache(torch.tensor([3]), torch.tensor([2]))
-        if label == WINDOW_LABEL:  # every layer's whole row, whatever its width
+        if label == WINDOW_LABEL:  # every layer's whole row, whatever its width; the MTP's draft scratch after
             assert bool((pool.k_buffer[-1][3] == 7.0).all())
+            assert [b.shape[0] for b in pool.k_buffer] == [5 * page] * (len(window) - mtp) + [5 * page + 4] * mtp
         else:
             assert [b.shape[0] for b in pool.k_buffer] == [5 * page // r + scratch for r in ratios]
             assert not bool((pool.k_buffer[-1][3] == 7.0).any())

@@ -68,8 +68,7 @@ def test_tree_drafts_equal_sequential_chain_and_leave_committed_rows(prompt_len)
     L = runner.lens[rid]
     committed = runner.slots_of(rid)
     before = runner.mtp_store.checksum(committed)
-    runner.req_table[rid, L:L + D + K * S] = torch.tensor(runner.alloc.alloc(D + K * S))
-    drafter = MTPTreeDrafter(model, runner.mtp_store, runner.req_table[rid:rid + 1], torch.tensor([L]), D, K)
+    drafter = MTPTreeDrafter(model, runner.mtp_store, runner.req_table[rid:rid + 1], torch.tensor([L]), K, S)
     fed = []
 
     def recording(step):

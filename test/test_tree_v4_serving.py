@@ -4,7 +4,8 @@ Five servers share the module: no speculation (the ground truth), TREE_V4 with a
 the fixed-shape verify step a GPU runs (``SGLANG_TREE_V4_FIXED_SHAPES=1``; the others run the CPU's eager step), the
 matched chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adaptive budget picks the shape per step) and
 the adaptive budget forced to cycle through every shape of its menu, "no speculation" included (``cycle_shapes`` in
-``support/mutations``), so that every switch between shapes is exercised. Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
+``support/mutations``), so that every switch between shapes is exercised. The chain runs without overlap scheduling,
+the others with it (SGLang's default: a round starts before the previous one's result is processed). Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
 than 300 tokens so that HCA boundaries fall inside draft trees.
 """
 
@@ -25,7 +26,7 @@ BUDGET = ["--speculative-num-draft-tokens", "6"]
 TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "3",
         "--speculative-num-steps", "3"]
 CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
-         "--speculative-num-steps", "5"]
+         "--speculative-num-steps", "5", "--disable-overlap-schedule"]  # the others run SGLang's default overlap
 ADAPTIVE = ["--speculative-algorithm", "TREE_V4"]
 SPECULATIVE = ("tree", "chain", "adaptive", "cycling")
 COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7"]  # seeded sampling

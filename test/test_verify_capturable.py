@@ -41,6 +41,9 @@ FLASH = ROOT / "data" / "deepseek_v4_flash_config.json"
 
 
 # ---- the step on meta ---------------------------------------------------------------------------------------------
+DRAFT_STEPS = 3  # S of the meta step's draft tree
+
+
 def meta_tree(B: int, D: int) -> DraftTree:
     """A padded batch of trees as meta tensors (values unknown, only shapes)."""
     z = torch.empty(B, D, dtype=torch.long, device="meta")
@@ -59,7 +62,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
     # window rows reached through a full-to-window mapping, as in SGLang's hybrid pool
     window_index = torch.empty(slots, dtype=torch.long, device="meta")
     store = model.new_store(slots, dt, "meta")
-    mtp_store = new_mtp_store(cfg, slots, dt, "meta")
+    mtp_store = new_mtp_store(cfg, slots, dt, "meta", B * K * (DRAFT_STEPS - 1))
     streams = new_streams_store(cfg, slots, dt, "meta")
     for s in (store, mtp_store, streams):
         s.window_index = window_index
@@ -96,7 +99,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
     assert (entry_format is None) != any(b.dtype == torch.uint8 for b in paged.token_buffers)
     shapes["server_verify"] = tuple(logits.shape)
     # One MTP draft step: K frontier nodes per request at depth 1, reading the committed rows and their ancestors.
-    drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, D, K)
+    drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, K, DRAFT_STEPS)
     step = DraftStep(step=1, tokens=torch.empty(B, K, dtype=torch.long, device="meta"),
                      positions=torch.empty(B, K, dtype=torch.long, device="meta"),
                      slots=torch.empty(B, K, dtype=torch.long, device="meta"),
@@ -116,7 +119,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
     V = cfg.vocab_size
     root_draft = (torch.empty(B, 1, V, dtype=dt, device="meta"),
                   torch.empty(B, 1, cfg.hc_mult, cfg.hidden_size, dtype=dt, device="meta"))
-    tree = build_draft_tree(torch.empty(B, dtype=torch.long, device="meta"), lens, drafter, 3, K, D,
+    tree = build_draft_tree(torch.empty(B, dtype=torch.long, device="meta"), lens, drafter, DRAFT_STEPS, K, D,
                             root_draft=root_draft, score_temperature=torch.empty(B, device="meta"))
     assert tree.tokens.is_meta
     shapes["tree"] = tuple(tree.tokens.shape)

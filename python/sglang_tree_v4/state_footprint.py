@@ -4,16 +4,17 @@ Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our s
 sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
 *window row* per position of each request's last window (keys, compressor rows, the MTP's streams and keys), plus
-the draft trees' entry scratch (D rows per running request in each compressed layer). This module measures them
+the draft trees' scratch (D entry rows per running request in each compressed layer, K (S - 1) rows in each MTP
+layer). This module measures them
 the way the server allocates them -- the pool class the server builds, with the arguments SGLang derives from the
 config our model override hands it (``sglang_config``), at two sizes and with and without scratch, so the slopes
 are the pool's real bytes and not a formula -- and splits them into kinds from our layouts (the split must add up
 to the measured bytes).
 
 Per token: its share of the entry rows. Per running request: the window rows it holds (``window_rows_held``), plus
-the draft-tree slots the worker reserves beyond the committed length (``D + K (S - 1)``), its last page's unused
-slots (at most ``page - 1``), its D rows of entry scratch, and one ``req_to_token`` row (int32 per position of the
-context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the report
+the verify slots the worker reserves beyond the committed length (D), its last page's unused slots (at most
+``page - 1``), its D rows of entry scratch and K (S - 1) rows of MTP scratch, and one ``req_to_token`` row (int32
+per position of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the report
 gives the rows the running requests need.
 
 Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
@@ -30,7 +31,7 @@ from .dsv4.config import CSA, HCA, DSV4Config
 from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
                                state_page_size, token_layer_widths)
 from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
-from .speculative.mtp_drafter import round_slots
+from .speculative.mtp_drafter import draft_scratch_rows
 from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
@@ -45,13 +46,13 @@ def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
                            entry_format: str | None = None) -> dict[str, float]:
     """Bytes of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes from
     ``pool_config``, at its page size), from real allocations: ``{"token": per token slot, "window": per window
-    row, "scratch": per draft-node scratch row}``."""
+    row, "scratch": per draft-node entry scratch row, "mtp_scratch": per MTP draft scratch row}``."""
     page = state_page_size(cfg)
     pattern = pool_config.hybrid_layer_pattern
     heads = pool_config.num_key_value_heads
 
-    def total(label: str, layers: int, head_dim: int, slots: int, scratch: int = 0) -> int:
-        pool = model_state_pool_class(cfg, scratch, entry_format)(
+    def total(label: str, layers: int, head_dim: int, slots: int, scratch: int = 0, mtp_scratch: int = 0) -> int:
+        pool = model_state_pool_class(cfg, scratch, entry_format, mtp_scratch)(
             size=slots, page_size=page, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
             device="cpu", enable_memory_saver=False, allocation_label=label)
         return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
@@ -63,6 +64,9 @@ def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
     hd = pool_config.head_dim
     out["scratch"] = (total(TOKEN_LABEL, pattern.count(0), hd, 8 * page, 4)
                       - total(TOKEN_LABEL, pattern.count(0), hd, 8 * page)) / 4
+    hd = pool_config.swa_head_dim
+    out["mtp_scratch"] = (total(WINDOW_LABEL, pattern.count(1), hd, 8 * page, mtp_scratch=4)
+                          - total(WINDOW_LABEL, pattern.count(1), hd, 8 * page)) / 4
     return out
 
 
@@ -137,16 +141,17 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     if row["scratch"] != entry_row:
         raise AssertionError(f"a scratch row ({row['scratch']} B) is not one entry row of every layer ({entry_row} B)")
     page = state_page_size(cfg)
-    tree_slots = round_slots(draft_tokens, topk, steps)
+    tree_slots = draft_tokens  # the verify block (the MTP drafts into its own scratch rows)
+    mtp_scratch = draft_scratch_rows(topk, steps) * row["mtp_scratch"]
     window_rows = window_rows_held(cfg) + tree_slots
     token_slots = tree_slots + page - 1  # beyond its committed tokens: the reservation and its last page's tail
     per_request = (window_rows * row["window"] + token_slots * row["token"] + draft_tokens * row["scratch"]
-                   + context_len * 4)
+                   + mtp_scratch + context_len * 4)
     by_kind: dict[str, float] = {}
     for kind, count in (("token", tokens + requests * token_slots), ("window", requests * window_rows)):
         for name, b in kinds[kind].items():
             by_kind[name] = by_kind.get(name, 0) + b * count
-    by_kind["tree_scratch"] = requests * draft_tokens * row["scratch"]
+    by_kind["tree_scratch"] = requests * (draft_tokens * row["scratch"] + mtp_scratch)
     by_kind["req_to_token"] = requests * context_len * 4
     by_kind = {k: round(v) for k, v in by_kind.items()}
     upstream = upstream_estimate(cfg, draft_tokens)
@@ -156,7 +161,7 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
         "state_bytes_by_kind": by_kind,
         "state_bytes": round(row["token"] * tokens + per_request * requests),
         "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": tree_slots,
-        "page_size": page, "tree_scratch_bytes_per_request": draft_tokens * row["scratch"],
+        "page_size": page, "tree_scratch_bytes_per_request": draft_tokens * row["scratch"] + mtp_scratch,
         "window_rows_per_request": window_rows, "window_row_bytes": row["window"],
         "context_len": context_len, "kv_cache_dtype": entry_format or str(dtype).removeprefix("torch."),
         "window_dtype": str(dtype).removeprefix("torch."),

@@ -35,8 +35,10 @@ class MTPBlock(Block):
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
 
 
-def new_mtp_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu") -> SlotStore:
-    return SlotStore(mtp_layouts(cfg), num_slots, dtype, device)
+def new_mtp_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu",
+                  scratch_rows: int = 0) -> SlotStore:
+    """The MTP's window keys per slot, and ``scratch_rows`` rows for draft-tree nodes (``mtp_drafter``)."""
+    return SlotStore(mtp_layouts(cfg), num_slots, dtype, device, window_scratch_rows=scratch_rows)
 
 
 def new_streams_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu") -> SlotStore:

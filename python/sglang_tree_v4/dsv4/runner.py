@@ -29,13 +29,16 @@ class DSV4Runner:
     ``mtp_lens[rid]`` = positions the MTP layer has processed (it lags the target by one token)."""
 
     def __init__(self, model: DSV4Model, num_slots: int = 4096, max_len: int = 4096, max_reqs: int = 64,
-                 entry_format: str | None = None):
-        """``entry_format``: how compressed entries are kept (``entry_codec.entry_codecs``; None: the model's dtype)."""
+                 entry_format: str | None = None, draft_scratch_rows: int = 64):
+        """``entry_format``: how compressed entries are kept (``entry_codec.entry_codecs``; None: the model's dtype).
+        ``draft_scratch_rows``: the MTP's draft-tree scratch (``mtp_drafter``), K (S - 1) rows per request drafted
+        at once."""
         self.model = model
         dev = model.embed.weight.device
         dt = model.embed.weight.dtype
         self.store: SlotStore = model.new_store(num_slots, dt, dev, entry_format)
-        self.mtp_store: SlotStore | None = new_mtp_store(model.cfg, num_slots, dt, dev) if len(model.mtp) else None
+        self.mtp_store: SlotStore | None = new_mtp_store(model.cfg, num_slots, dt, dev,
+                                                                   draft_scratch_rows) if len(model.mtp) else None
         self.alloc = SlotAllocator(num_slots)
         self.req_table = torch.full((max_reqs, max_len), -1, dtype=torch.long, device=dev)
         self.lens: dict[int, int] = {}

@@ -171,7 +171,9 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             target = SlotStore(model_layouts(cfg), num_slots, buffers=window[:n], token_layouts=token_lays,
                                token_buffers=token, entry_ratios=entry_ratios(cfg), **common)
             streams = SlotStore(streams_layouts(cfg), num_slots, buffers=[window[n]], **common)
-            mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common)
+            # The MTP layers' rows past the target layers' are its draft scratch (``sglang_pool``).
+            mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common,
+                             window_scratch_rows=window[-1].shape[0] - window[0].shape[0])
                    if len(self.model.mtp) else None)
             self._stores = (target, mtp, streams)
         return self._stores

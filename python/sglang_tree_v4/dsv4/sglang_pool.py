@@ -15,7 +15,8 @@ Entries: SGLang's pages are whole blocks of every ratio (``state_page_size``), a
 range -- a page of 128 tokens holds 32 CSA and one HCA entry at V4-Flash -- and, after them, the draft trees'
 scratch rows (``scratch_rows``: running requests x D), where a draft node's entry goes unless the node sits in its
 position's own slot (``sglang_model.tree_entry_slots``). SGLang's ``move_kv_cache`` moves window rows only; the
-worker copies accepted entries out of the scratch.
+worker copies accepted entries out of the scratch. The MTP layers' window buffers likewise end in the draft trees'
+MTP scratch (running requests x K (S - 1) rows, ``mtp_drafter``), so a round reserves only its D verify slots.
 
 Pool layers (SGLang layer ids): first the window layers -- the target layers' window rows, the streams row, the
 MTP layers' rows -- then one entry layer per compressed target layer. SGLang gives every layer of a sub-pool the
@@ -91,10 +92,11 @@ def pool_head_dim(widths: list[float]) -> int:
     return math.ceil(sum(widths) / len(widths))
 
 
-def scratch_rows_of(server_args, max_requests: int | None) -> int:
-    """Tree scratch rows per entry layer: every running request's D draft nodes (none without TREE_V4). The
-    resolved speculative settings come from SGLang's runtime context where it has them (its server arguments can
-    still hold the user's unset values, e.g. no D for the adaptive budget)."""
+def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
+    """Tree scratch rows: per entry layer every running request's D draft nodes, per MTP layer its K (S - 1) draft
+    nodes past the root (``mtp_drafter``); none without TREE_V4. The resolved speculative settings come from
+    SGLang's runtime context where it has them (its server arguments can still hold the user's unset values, e.g.
+    no D for the adaptive budget)."""
     spec = server_args
     try:
         from sglang.srt.runtime_context import get_spec
@@ -104,12 +106,15 @@ def scratch_rows_of(server_args, max_requests: int | None) -> int:
         pass
     algorithm = getattr(spec, "speculative_algorithm", None) or getattr(server_args, "speculative_algorithm", None)
     if "TREE_V4" not in str(getattr(algorithm, "name", algorithm)):
-        return 0
-    draft = getattr(spec, "speculative_num_draft_tokens", None) or getattr(
-        server_args, "speculative_num_draft_tokens", None)
-    if not draft:
-        raise ValueError("TREE_V4's pool needs the speculative D (--speculative-num-draft-tokens) to size its scratch")
-    return (max_requests or server_args.max_running_requests or 0) * draft
+        return 0, 0
+    shape = {}
+    for name in ("speculative_num_draft_tokens", "speculative_eagle_topk", "speculative_num_steps"):
+        shape[name] = getattr(spec, name, None) or getattr(server_args, name, None)
+        if not shape[name]:
+            raise ValueError(f"TREE_V4's pool needs the resolved --{name.replace('_', '-')} to size its scratch")
+    requests = max_requests or server_args.max_running_requests or 0
+    return (requests * shape["speculative_num_draft_tokens"],
+            requests * shape["speculative_eagle_topk"] * (shape["speculative_num_steps"] - 1))
 
 
 def retained_window(cfg: DSV4Config) -> int:
@@ -120,12 +125,14 @@ def retained_window(cfg: DSV4Config) -> int:
 
 
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
-                     scratch_rows: int, entry_format: str | None = None) -> type:
+                     scratch_rows: int, entry_format: str | None = None,
+                     window_scratch_rows: list[int] | None = None) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
-    has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows. With an ``entry_format``
-    (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
-    keep the pool's dtype."""
+    has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows, window layer ``i`` a row per
+    slot and then ``window_scratch_rows[i]`` (the MTP's draft scratch). With an ``entry_format`` (fp8) the entry
+    layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers keep the pool's
+    dtype."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -154,11 +161,13 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                 raise ValueError(f"--page-size {self.page_size} is not a multiple of every compression ratio "
                                  f"({sorted(set(token_ratios))})")
             rows = [entry_layer_rows(slots, r, scratch_rows) for r in token_ratios] if entries else (
-                [slots] * len(widths))
+                [slots + extra for extra in window_scratch_rows or [0] * len(widths)])
             if entries:
                 logger.info("TREE_V4 entry rows: one per block of ratios %s over %d slots (pages of %d), plus %d "
                             "draft-tree scratch rows per layer; entries kept as %s", sorted(set(token_ratios)),
                             slots, self.page_size, scratch_rows, entry_format or self.store_dtype)
+            elif any(window_scratch_rows or []):
+                logger.info("TREE_V4 MTP draft scratch: %d window rows per MTP layer", max(window_scratch_rows))
             self.entry_format = entry_format
             dtype = torch.uint8 if entries and entry_format else self.store_dtype
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
@@ -184,6 +193,10 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
     return TreeV4StatePool
 
 
-def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format: str | None = None) -> type:
+def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format: str | None = None,
+                           mtp_scratch_rows: int = 0) -> type:
+    """``scratch_rows`` per entry layer, ``mtp_scratch_rows`` per MTP layer (``scratch_rows_of``)."""
+    mtp = len(mtp_layouts(cfg))
+    window = [0] * (len(window_layer_widths(cfg)) - mtp) + [mtp_scratch_rows] * mtp
     return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg, entry_format), token_layer_ratios(cfg),
-                            scratch_rows, entry_format)
+                            scratch_rows, entry_format, window)

@@ -122,6 +122,9 @@ class SlotStore:
     A token piece with a codec (``LayerLayout.codecs``, fp8 entries) is kept as bytes in a uint8 buffer: ``write``
     encodes, ``read`` decodes, ``readable`` hands the attention kernel decoded rows.
 
+    ``window_scratch_rows`` window rows after the slots' (the MTP's draft-tree scratch, ``mtp_drafter``) are
+    addressed by ``-2 - j`` for scratch row ``j``: a draft node's row that no slot owns and no step outlives.
+
     ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
     ``buffers`` may be supplied by the caller (views of an SGLang KV pool); otherwise zeros. Writes are in place
     unless autograd needs the written values (training), in which case the buffer is replaced out of place so
@@ -132,12 +135,13 @@ class SlotStore:
                  device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None,
                  token_layouts: list[LayerLayout] | None = None, token_buffers: list[torch.Tensor] | None = None,
                  window_index: torch.Tensor | None = None, entry_ratios: list[int] | None = None,
-                 scratch_rows: int = 0):
+                 scratch_rows: int = 0, window_scratch_rows: int = 0):
         self.layouts = layouts
         self.token_layouts = token_layouts or [LayerLayout.of([]) for _ in layouts]
         self.num_slots = num_slots
         if buffers is None:
-            buffers = [torch.zeros(num_slots, lay.width, dtype=dtype, device=device) for lay in layouts]
+            buffers = [torch.zeros(num_slots + window_scratch_rows, lay.width, dtype=dtype, device=device)
+                       for lay in layouts]
         if token_buffers is None:
             dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
             token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
@@ -150,6 +154,8 @@ class SlotStore:
         self.buffers = list(buffers)
         self.token_buffers = list(token_buffers)
         self.window_index = window_index
+        self.window_scratch_rows = window_scratch_rows
+        self.window_scratch_base = buffers[0].shape[0] - window_scratch_rows if buffers else 0
         self.entry_ratios = entry_ratios
         # First scratch row of each token layer (its committed rows: one per block of the slot range).
         self.scratch_base = [entry_layer_rows(num_slots, self._ratio(i), 0) for i in range(len(self.token_layouts))]
@@ -176,10 +182,13 @@ class SlotStore:
         return self._window_rows(slots) if window else self._token_rows(layer, slots)
 
     def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Window rows of token ``slots`` (``-1`` stays ``-1``)."""
-        if self.window_index is None:
-            return slots
-        return torch.where(slots >= 0, self.window_index[slots.clamp(min=0)].to(slots.dtype), -1)
+        """Window rows of token ``slots`` (``-1`` stays ``-1``; ``-2 - j`` is window scratch row ``j``)."""
+        rows = slots
+        if self.window_index is not None:
+            rows = torch.where(slots >= 0, self.window_index[slots.clamp(min=0)].to(slots.dtype), -1)
+        if self.window_scratch_rows:
+            rows = torch.where(slots <= -2, self.window_scratch_base - 2 - slots, rows)
+        return rows
 
     def _token_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Token rows of entry ``slots`` of ``layer`` (``-1`` stays ``-1``; ``-2 - q`` is scratch row ``q``)."""

@@ -65,7 +65,7 @@ def register() -> None:
         return
     HookRegistry.register(SERVER_INFO_TARGET, add_shape_counters, HookType.AFTER)
 
-    @SpeculativeAlgorithm.register(NAME, supports_overlap=False, spec_class=TreeV4Algorithm)
+    @SpeculativeAlgorithm.register(NAME, supports_overlap=True, spec_class=TreeV4Algorithm)
     def _worker_class(server_args):
         from .worker import TreeV4Worker
 

@@ -106,9 +106,10 @@ def state_pool(original, configurator, *args, **kwargs):
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
-    scratch = scratch_rows_of(getattr(configurator, "server_args", None), _max_requests.get(id(configurator)))
+    scratch, mtp_scratch = scratch_rows_of(getattr(configurator, "server_args", None),
+                                           _max_requests.get(id(configurator)))
     entry_format = getattr(configurator.model_config.hf_config, ENTRY_FORMAT_ATTR, None)
-    return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format)
+    return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format, mtp_scratch)
 
 
 def entry_dtype(original, runner, *args, **kwargs):

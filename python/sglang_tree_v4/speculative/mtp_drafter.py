@@ -7,9 +7,10 @@ Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the c
 * ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
   the target's streams from their slots. Its last query is the root's draft: children logits and hidden.
   ``catch_up_fixed`` does the same over the last C positions of every request, with shapes fixed by (B, C).
-* draft nodes of depth ``d >= 1`` run at ``L + d - 1``. Their MTP rows are scratch in the request's reserved slots
-  past the verify block (``req_to_token[L + D : L + D + K * (S - 1)]``), never in a committed slot; a node reads the
-  committed rows below ``L`` plus the rows of its own ancestors.
+* draft nodes of depth ``d >= 1`` run at ``L + d - 1``. Their MTP rows are the MTP store's window scratch
+  (``SlotStore`` ``window_scratch_rows``: K (S - 1) rows per request of the step, row ``b * K (S - 1) + s - 1`` for
+  draft slot ``s`` of batch row ``b``), never a slot: a round needs no KV slots beyond its D verify slots, and
+  nothing a draft writes outlives the step. A node reads the committed rows below ``L`` plus its own ancestors'.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
 from ..tree import DraftStep
 
 
-def round_slots(draft_tokens: int, topk: int, steps: int) -> int:
-    """Slots a request needs past its committed length for one round: the verify block (D nodes) and the draft
-    nodes' MTP scratch (``K * (S - 1)``, see module doc)."""
-    return draft_tokens + topk * (steps - 1)
+def draft_scratch_rows(topk: int, steps: int) -> int:
+    """MTP scratch rows one request's draft tree needs (K nodes fed at each of steps 1 .. S - 1)."""
+    return topk * max(steps - 1, 0)
 
 
 def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor,
@@ -74,23 +74,32 @@ class MTPTreeDrafter:
     """Implements ``tree.Drafter`` for draft steps >= 1 (the root's draft comes from ``catch_up``)."""
 
     def __init__(self, model, mtp_store: SlotStore, req_table: torch.Tensor, prefix_lens: torch.Tensor,
-                 draft_tokens: int, topk: int):
+                 topk: int, steps: int):
+        """``steps``: the most draft steps (S) a tree of this round may take; ``req_table``: one row per request."""
         self.model = model
         self.store = mtp_store
         self.req_table = req_table
         self.prefix_lens = prefix_lens.long()
-        self.scratch_base = self.prefix_lens + draft_tokens - 1  # draft slot s >= 1 -> position L + D + s - 1
         self.topk = topk
+        self.stride = draft_scratch_rows(topk, steps)
+        if req_table.shape[0] * self.stride > mtp_store.window_scratch_rows:
+            raise ValueError(f"the MTP store has {mtp_store.window_scratch_rows} draft scratch rows; "
+                             f"{req_table.shape[0]} requests drafting K={topk}, S={steps} trees need "
+                             f"{req_table.shape[0] * self.stride}")
+
+    def _scratch(self, rows: torch.Tensor, draft_slots: torch.Tensor) -> torch.Tensor:
+        """The store's scratch code (``-2 - j``) of draft slot ``s >= 1`` of batch row ``b``."""
+        return -2 - (rows * self.stride + draft_slots - 1)
 
     def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
         B, n = step.tokens.shape
         depth = step.step  # every node fed at step s has depth s
         rows = torch.arange(B, device=step.tokens.device)[:, None]
-        out_slots = self.req_table[rows, self.scratch_base[:, None] + step.slots]
+        out_slots = self._scratch(rows, step.slots)
         # Ancestors at depths 1..depth (itself last): one fed slot per depth among that depth's K slots.
         by_depth = step.ancestors[:, :, 1 : 1 + depth * self.topk].reshape(B, n, depth, self.topk)
         anc_draft_slots = 1 + torch.arange(depth, device=rows.device) * self.topk + by_depth.int().argmax(-1)
-        anc_slots = self.req_table[rows[:, :, None], self.scratch_base[:, None, None] + anc_draft_slots]
+        anc_slots = self._scratch(rows[:, :, None], anc_draft_slots)
         positions = (step.positions - 1).reshape(-1)
         query_req = rows.expand(B, n).reshape(-1)
         table = SlotTable(self.req_table, query_req, self.prefix_lens[query_req], anc_slots.reshape(B * n, depth))

@@ -23,7 +23,7 @@ from ..dsv4.block import ModelOutput
 from ..dsv4.runner import DSV4Runner
 from ..dsv4.tree_state import TreeVerifier
 from ..tree import build_draft_tree, verify_greedy
-from .mtp_drafter import MTPTreeDrafter, round_slots
+from .mtp_drafter import MTPTreeDrafter
 
 
 @dataclass
@@ -58,10 +58,10 @@ def speculative_greedy(runner: DSV4Runner, prompt: list[int], D: int, K: int, S:
     run = SpeculativeRun([bonus])
     while len(run.tokens) < max_new and eos not in run.tokens:
         L = runner.lens[rid]
-        slots = torch.tensor(runner.alloc.alloc(round_slots(D, K, S)), dtype=torch.long, device=runner.device)
+        slots = torch.tensor(runner.alloc.alloc(D), dtype=torch.long, device=runner.device)
         runner.req_table[rid, L:L + slots.numel()] = slots
         drafter = MTPTreeDrafter(runner.model, runner.mtp_store, runner.req_table[rid:rid + 1],
-                                 torch.tensor([L], device=runner.device), D, K)
+                                 torch.tensor([L], device=runner.device), K, S)
         tree = build_draft_tree(torch.tensor([bonus]), torch.tensor([L]), drafter, S, K, D,
                                 root_draft=(root.logits[None], root.streams[None]),
                                 score_temperature=score_temperature)

@@ -8,13 +8,11 @@ with an MTP layer stop the launcher with a message naming the flag.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
 from ..dsv4.sglang_pool import check_page_size
 
-logger = logging.getLogger(__name__)
 
 # Defaults when only --speculative-algorithm TREE_V4 is given: a real tree (K > 1). Among the D = 8 tree shapes
 # measured on the embedded model with calibrated draft scores (benchmark/RESULTS.md, "Tree shapes at D=8"; batch 1,
@@ -123,9 +121,6 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_num_draft_tokens = budget.draft_tokens
     server_args.speculative_eagle_topk = budget.topk
     server_args.speculative_num_steps = budget.steps
-    if not server_args.disable_overlap_schedule:
-        logger.warning("TREE_V4 runs without overlap scheduling; switching it off (--disable-overlap-schedule).")
-        server_args.disable_overlap_schedule = True
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 64

@@ -24,7 +24,7 @@ from ..dsv4.sglang_model import fixed_shapes, verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes
-from .mtp_drafter import MTPTreeDrafter, catch_up
+from .mtp_drafter import MTPTreeDrafter, catch_up, draft_scratch_rows
 
 BATCHES = (1, 4, 16, 64)
 CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
@@ -57,10 +57,10 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
     cfg = model.cfg
     dtype = model.embed.weight.dtype
     batches = sorted({b for b in BATCHES if b <= max_batch} | {max_batch})
-    width = CONTEXT + max_tokens + topk * max_steps
+    width = CONTEXT + max_tokens
     slots = max(batches) * width
     store = model.new_store(slots, dtype, device)
-    mtp_store = new_mtp_store(cfg, slots, dtype, device)
+    mtp_store = new_mtp_store(cfg, slots, dtype, device, max(batches) * draft_scratch_rows(topk, max_steps))
     streams = new_streams_store(cfg, slots, dtype, device)
     times = StepTimes()
     verify_sizes = sorted({1, 2, 4, max_tokens})
@@ -83,7 +83,7 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
                 start = time.perf_counter()
                 root = catch_up(model, mtp_store, streams, table, [CONTEXT - 3] * bs, [CONTEXT] * bs,
                                 [[1, 2, 3]] * bs)
-                drafter = MTPTreeDrafter(model, mtp_store, table, prefix, max_tokens, topk)
+                drafter = MTPTreeDrafter(model, mtp_store, table, prefix, topk, max_steps)
                 tree = build_draft_tree(roots, prefix, drafter, s, topk, max_tokens, root_draft=root)
                 _sync(device)
                 best = min(best, time.perf_counter() - start)

@@ -3,7 +3,7 @@
 A decode round, per batch:
 
 1. the MTP catches up on the positions committed since it last ran (at most one window) and drafts the root's
-   children; ``build_draft_tree`` expands the tree with the MTP over scratch slots (EAGLE-2: top-K frontier, S
+   children; ``build_draft_tree`` expands the tree with the MTP over its draft scratch rows (EAGLE-2: top-K frontier, S
    steps, rerank to D nodes);
 2. the target verifies all D nodes of every request in one forward (``TARGET_VERIFY``; our model reads each node's
    ancestry from the tree mask, writes only the node's own verify slot);
@@ -13,6 +13,11 @@ A decode round, per batch:
    canonical slots, and the adapter copies the compressed entries of accepted nodes that were in tree scratch to
    their blocks' rows (``commit_tree_entries``): that is the accepted-path state refresh. Rejected rows stay in
    reserved slots (and scratch) that the next round overwrites and the request's release frees.
+
+Overlap scheduling (SGLang's default) launches a round before the previous round's result is processed, so that
+round's accepted tokens are read from the batch's ``spec_info`` until they reach ``req.output_ids``
+(``_pending_tokens``). A round needs D slots past the committed length, inside SGLang's speculative reservation
+(twice max(D, K S) past the committed length it knows, which lags by at most one round's D).
 
 Prefill rounds are plain target forwards.
 
@@ -42,7 +47,7 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
-from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed, round_slots
+from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -171,23 +176,50 @@ class TreeV4Worker(BaseSpecWorker):
         C = self.budget.draft_tokens
         fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
-        for req, L, start in zip(batch.reqs, lens, starts):
-            prompt, output = req.origin_input_ids, req.output_ids
-            assert len(prompt) + len(output) == L + 1, (len(prompt), len(output), L)  # the bonus is not committed
-            next_tokens.append(_tokens_between(prompt, output, (L - C if fixed else start) + 1, L + 1))
+        for req, L, start, pending in zip(batch.reqs, lens, starts, self._pending_tokens(batch, lens)):
+            output = _Output(req.output_ids, pending)
+            next_tokens.append(_tokens_between(req.origin_input_ids, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
-            if req.kv.kv_allocated_len < L + round_slots(D, K, S):
-                raise RuntimeError("TREE_V4: fewer reserved KV slots than the draft tree needs")
+            if req.kv.kv_allocated_len < L + D:
+                raise RuntimeError("TREE_V4: fewer reserved KV slots than the verify block needs")
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
                                         torch.tensor(next_tokens, device=self.device))
         else:
             root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
         prefix = batch.seq_lens.long()
-        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, D, K)
+        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, K, self.budget.steps)
         return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
                                 root_draft=root_draft, score_temperature=self._score_temperatures(batch))
+
+    @staticmethod
+    def _pending_tokens(batch, lens: list[int]) -> list[list[int]]:
+        """Each request's tokens that are committed but not yet in ``req.output_ids``.
+
+        With overlap scheduling SGLang launches a round before it has processed the previous round's result, so
+        the tokens that round accepted (the batch's ``spec_info``, resolved from the scheduler's future map) reach
+        ``output_ids`` one round late; without it, or where the scheduler processed the result first, there are
+        none. Which case holds is read from the lengths: the committed length ``L`` plus the uncommitted bonus is
+        the whole sequence."""
+        info = batch.spec_info
+        tokens = getattr(info, "accept_tokens", None)
+        counts = getattr(info, "accept_lens", None)
+        if tokens is not None and counts is not None and counts.numel() == len(lens):
+            rows, counts = tokens.view(len(lens), -1).tolist(), counts.tolist()
+        else:
+            rows, counts = [[]] * len(lens), [0] * len(lens)
+        out = []
+        for req, L, row, k in zip(batch.reqs, lens, rows, counts):
+            have = len(req.origin_input_ids) + len(req.output_ids)
+            if have == L + 1:
+                out.append([])
+            elif have + k == L + 1:
+                out.append(row[:k])
+            else:
+                raise RuntimeError(f"TREE_V4: request {req.rid} has {have} tokens (+{k} from the previous round) "
+                                   f"for a committed length of {L}")
+        return out
 
     def _score_temperatures(self, batch) -> float | torch.Tensor:
         info = batch.sampling_info
@@ -241,7 +273,9 @@ class TreeV4Worker(BaseSpecWorker):
         bs, D_max = len(batch.reqs), self.budget.draft_tokens
         D, S = self._shape(bs)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
-            roots = torch.tensor([req.output_ids[-1] for req in batch.reqs], device=self.device)
+            pending = self._pending_tokens(batch, batch.seq_lens.tolist())
+            roots = torch.tensor([_Output(req.output_ids, p)[-1] for req, p in zip(batch.reqs, pending)],
+                                 device=self.device)
             tree = DraftTree.from_parents(roots[:, None], torch.full((bs, 1), -1, device=self.device),
                                           logprobs=torch.zeros(bs, 1, device=self.device))
         else:
@@ -306,7 +340,25 @@ class TreeV4Worker(BaseSpecWorker):
         self._last_round_end = (end, bs)
 
 
-def _tokens_between(prompt, output, lo: int, hi: int) -> list[int]:
+class _Output:
+    """A request's output tokens followed by its ``pending`` ones (``_pending_tokens``), read by position without
+    copying the whole output every round."""
+
+    def __init__(self, output, pending: list[int]):
+        self.output, self.pending = output, pending
+
+    def __len__(self) -> int:
+        return len(self.output) + len(self.pending)
+
+    def __getitem__(self, i: int) -> int:
+        return self.slice(len(self) + i, len(self) + i + 1)[0] if i < 0 else self.slice(i, i + 1)[0]
+
+    def slice(self, lo: int, hi: int) -> list[int]:
+        n = len(self.output)
+        return list(self.output[lo:min(hi, n)]) + self.pending[max(lo - n, 0):max(hi - n, 0)]
+
+
+def _tokens_between(prompt, output: _Output, lo: int, hi: int) -> list[int]:
     """Tokens at positions ``[lo, hi)`` of prompt + output, without copying the whole history every round."""
     n = len(prompt)
-    return list(prompt[lo:min(hi, n)]) + list(output[max(lo - n, 0):max(hi - n, 0)])
+    return list(prompt[lo:min(hi, n)]) + output.slice(max(lo - n, 0), max(hi - n, 0))

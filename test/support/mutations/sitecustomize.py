@@ -11,7 +11,8 @@ after it is first imported, before anyone binds its names. The product code carr
   (each acceptance coin lowered by 0.02).
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
-speculation" included), so a test sees every switch the policy could ever make.
+speculation" included), so a test sees every switch the policy could ever make; ``never_speculate`` makes it
+choose "no speculation" at every step (what a step that does not speculate costs, ``benchmark/none_step_cost.py``).
 """
 
 from __future__ import annotations
@@ -67,11 +68,16 @@ def _cycle_shapes(adaptive) -> None:
     adaptive.AdaptivePolicy.choose = choose
 
 
+def _never_speculate(adaptive) -> None:
+    adaptive.AdaptivePolicy.choose = lambda self, batch: adaptive.NO_SPECULATION
+
+
 PATCHES = {
     "wrong_token": ("sglang_tree_v4.speculative.worker", _wrong_token),
     "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
+    "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
 }
 
 
