@@ -1,14 +1,15 @@
 """What a TREE_V4 step that does not speculate costs, against plain decoding, side by side on real servers.
 
     python benchmark/none_step_cost.py [--model-path models/tiny-v4] [--batch-sizes 16 64] [--max-new-tokens 128]
-        [--repeats 4] [--out FILE.jsonl]
+        [--repeats 4] [--servers NAME ...] [--out FILE.jsonl]
 
 Why: where no tree pays (large batches on a CPU), the adaptive budget runs nearly every step without speculation,
 so its throughput there is that step's against plain SGLang's decode step. Four servers run side by side: plain
 SGLang with and without overlap scheduling, and the default TREE_V4 forced never to speculate (the test mutation
 ``never_speculate``, ``test/support/mutations``) with and without overlap scheduling. Each point is run once
 unmeasured, then ``--repeats`` times with the servers interleaved, and the median output tokens/s is kept (greedy,
-EOS ignored, GSM8K chat prompts). The forced servers must report only ``none`` steps.
+EOS ignored, GSM8K chat prompts), with each one's ratio to the first of ``--servers``. The forced servers must
+report only ``none`` steps.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=list(SERVERS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="none_step_cost_"))
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
               "--max-total-tokens", "65536"]
     cache = str(logs / "cache")
     started = {}
-    for name, (flags, forced) in SERVERS.items():
+    for name in args.servers:
+        flags, forced = SERVERS[name]
         log = logs / f"{name}.log"
         started[name] = (serving_checks.launch_mutated(args.model_path, common + flags, "never_speculate", log,
                                                        XDG_CACHE_HOME=cache) if forced else
@@ -73,11 +76,12 @@ def main(argv: list[str] | None = None) -> None:
                 steps = bench_server.shape_steps(server)
                 if SERVERS[name][1] and set(steps) != {"none"}:
                     raise RuntimeError(f"{name} speculated: {steps}")
-            base = statistics.median(runs["plain_overlap"])
+            base = statistics.median(runs[args.servers[0]])
             for name, values in runs.items():
                 rec = {"server": name, "batch_size": bs, "max_new_tokens": args.max_new_tokens,
                        "output_throughput_median": statistics.median(values), "runs": values,
-                       "vs_plain_overlap": statistics.median(values) / base, "commit": bench_common.git_commit()}
+                       f"vs_{args.servers[0]}": statistics.median(values) / base,
+                       "commit": bench_common.git_commit()}
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
         bench_common.write_records(args.out, records)
