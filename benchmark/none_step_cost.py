@@ -4,9 +4,11 @@
         [--repeats 4] [--servers NAME ...] [--out FILE.jsonl]
 
 Why: where no tree pays (large batches on a CPU), the adaptive budget runs nearly every step without speculation,
-so its throughput there is that step's against plain SGLang's decode step. Four servers run side by side: plain
-SGLang with and without overlap scheduling, and the default TREE_V4 forced never to speculate (the test mutation
-``never_speculate``, ``test/support/mutations``) with and without overlap scheduling. Each point is run once
+so its throughput there is that step's against plain SGLang's decode step. By default four servers run side by
+side: plain SGLang with and without overlap scheduling, and the default TREE_V4 forced never to speculate (the test
+mutation ``never_speculate``, ``test/support/mutations``) with and without overlap scheduling (forced on with
+``SGLANG_TREE_V4_OVERLAP=1``: TREE_V4 drops it on a CPU); ``--servers`` picks others, e.g. the adaptive TREE_V4
+with and without overlap. Each point is run once
 unmeasured, then ``--repeats`` times with the servers interleaved, and the median output tokens/s is kept (greedy,
 EOS ignored, GSM8K chat prompts), with each one's ratio to the first of ``--servers``. The forced servers must
 report only ``none`` steps.
@@ -28,6 +30,7 @@ import bench_common  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
 from sglang_tree_v4 import launcher  # noqa: E402
+from sglang_tree_v4.speculative.server_args import OVERLAP_ENV  # noqa: E402
 from support import serving_checks  # noqa: E402
 
 NO_OVERLAP = ["--disable-overlap-schedule"]
@@ -37,6 +40,8 @@ SERVERS = {  # name -> (launch_server flags, forced never to speculate)
     "plain_no_overlap": (NO_OVERLAP, False),
     "tree_v4_none_overlap": (TREE_V4, True),
     "tree_v4_none_no_overlap": (TREE_V4 + NO_OVERLAP, True),
+    "tree_v4_adaptive_overlap": (TREE_V4, False),
+    "tree_v4_adaptive_no_overlap": (TREE_V4 + NO_OVERLAP, False),
 }
 
 
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=list(SERVERS))
+    ap.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=list(SERVERS)[:4])
+    ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "mbpp", "sharegpt"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="none_step_cost_"))
@@ -57,19 +63,20 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.servers:
         flags, forced = SERVERS[name]
         log = logs / f"{name}.log"
+        overlap = {OVERLAP_ENV: "1"} if name.startswith("tree_v4") and NO_OVERLAP[0] not in flags else {}
         started[name] = (serving_checks.launch_mutated(args.model_path, common + flags, "never_speculate", log,
-                                                       XDG_CACHE_HOME=cache) if forced else
-                         launcher.launch(args.model_path, common + flags, log, env=launcher.clean_env()))
+                                                       XDG_CACHE_HOME=cache, **overlap) if forced else
+                         launcher.launch(args.model_path, common + flags, log, env=launcher.clean_env(**overlap)))
     try:
         servers = {name: launcher.wait_healthy(s) for name, s in started.items()}
-        texts = bench_prompts.chat_texts(args.model_path, "gsm8k", max(args.batch_sizes))
+        texts = bench_prompts.chat_texts(args.model_path, args.dataset, max(args.batch_sizes + [8]))
         sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
         records = []
         for bs in args.batch_sizes:
             runs: dict[str, list[float]] = {name: [] for name in servers}
             for i in range(args.repeats + 1):
                 for name, server in servers.items():
-                    got = bench_server.measure(server, texts[:bs], bs, sampling)
+                    got = bench_server.measure(server, texts[:max(bs, 8)], bs, sampling)
                     if i:  # the first run of each point is a warm-up
                         runs[name].append(got["output_throughput"])
             for name, server in servers.items():
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise RuntimeError(f"{name} speculated: {steps}")
             base = statistics.median(runs[args.servers[0]])
             for name, values in runs.items():
-                rec = {"server": name, "batch_size": bs, "max_new_tokens": args.max_new_tokens,
+                rec = {"server": name, "dataset": args.dataset, "batch_size": bs, "max_new_tokens": args.max_new_tokens,
                        "output_throughput_median": statistics.median(values), "runs": values,
                        f"vs_{args.servers[0]}": statistics.median(values) / base,
                        "commit": bench_common.git_commit()}

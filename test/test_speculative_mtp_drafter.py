@@ -12,7 +12,7 @@ import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.dsv4.mtp import mtp_forward
+from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
 from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter
@@ -96,3 +96,15 @@ def test_tree_drafts_equal_sequential_chain_and_leave_committed_rows(prompt_len)
             checked += 1
     assert checked == K * (S - 1)
     assert max(step.step for step, _ in fed) == S - 1  # draft steps 1 .. S-1 were all fed and checked
+
+
+def test_drafter_refuses_a_store_without_room_for_its_scratch():
+    """Each request's K (S - 1) draft nodes need their own MTP scratch rows; too few is a clear error, not a
+    silent write into another request's rows."""
+    model = _model()
+    store = new_mtp_store(model.cfg, 64, scratch_rows=2 * K * (S - 1) - 1)
+    table = torch.zeros(2, 64, dtype=torch.long)
+    with pytest.raises(ValueError, match="draft scratch rows"):
+        MTPTreeDrafter(model, store, table, torch.tensor([3, 3]), K, S)
+    MTPTreeDrafter(model, new_mtp_store(model.cfg, 64, scratch_rows=2 * K * (S - 1)), table, torch.tensor([3, 3]),
+                   K, S)

@@ -4,8 +4,9 @@ Five servers share the module: no speculation (the ground truth), TREE_V4 with a
 the fixed-shape verify step a GPU runs (``SGLANG_TREE_V4_FIXED_SHAPES=1``; the others run the CPU's eager step), the
 matched chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adaptive budget picks the shape per step) and
 the adaptive budget forced to cycle through every shape of its menu, "no speculation" included (``cycle_shapes`` in
-``support/mutations``), so that every switch between shapes is exercised. The chain runs without overlap scheduling,
-the others with it (SGLang's default: a round starts before the previous one's result is processed). Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
+``support/mutations``), so that every switch between shapes is exercised. The tree and the cycling server keep
+SGLang's overlap scheduling, as on a GPU (``SGLANG_TREE_V4_OVERLAP=1``: a round starts before the previous one's
+result is processed); the others run the CPU's synchronous schedule. Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
 than 300 tokens so that HCA boundaries fall inside draft trees.
 """
 
@@ -18,6 +19,7 @@ import requests
 
 from sglang_tree_v4 import launcher as srv, prompts
 from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from support import serving_checks as checks
 
 pytestmark = pytest.mark.server
@@ -26,7 +28,7 @@ BUDGET = ["--speculative-num-draft-tokens", "6"]
 TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "3",
         "--speculative-num-steps", "3"]
 CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
-         "--speculative-num-steps", "5", "--disable-overlap-schedule"]  # the others run SGLang's default overlap
+         "--speculative-num-steps", "5"]
 ADAPTIVE = ["--speculative-algorithm", "TREE_V4"]
 SPECULATIVE = ("tree", "chain", "adaptive", "cycling")
 COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7"]  # seeded sampling
@@ -45,13 +47,13 @@ def servers(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     cache = str(tmp_path_factory.mktemp("cache"))
     env = {name: srv.clean_env(XDG_CACHE_HOME=cache) for name in ("plain", "chain", "adaptive")}
-    env["tree"] = srv.clean_env(XDG_CACHE_HOME=cache, **{FIXED_SHAPES_ENV: "1"})  # the GPU's step, on the CPU
+    env["tree"] = srv.clean_env(XDG_CACHE_HOME=cache, **{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1"})  # the GPU's path
     started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log", env=env[name])
                for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN), ("adaptive", ADAPTIVE))}
     try:
         srv.wait_healthy(started["adaptive"])
         started["cycling"] = checks.launch_mutated(model, COMMON + ADAPTIVE, "cycle_shapes", logs / "cycling.log",
-                                                   XDG_CACHE_HOME=cache)
+                                                   XDG_CACHE_HOME=cache, **{OVERLAP_ENV: "1"})
         yield {name: srv.wait_healthy(s) for name, s in started.items()}
     finally:
         for s in started.values():
@@ -77,10 +79,13 @@ def test_greedy_equals_non_speculative(greedy_outputs, shape):
 
 
 def test_verify_step_kind_as_asked(servers):
-    """The tree server serves through the fixed-shape step (asked for by environment), the others eagerly."""
+    """The tree server serves through the fixed-shape step (asked for by environment), the others eagerly; the tree
+    and the cycling server keep overlap scheduling (asked for by environment), the others run without it."""
     for name in SPECULATIVE:
         kind = "fixed-shape" if name == "tree" else "eager"
         assert f"{kind} verify step" in servers[name].log.read_text(), (name, servers[name].log_tail())
+        info = requests.get(servers[name].url + "/server_info", timeout=30).json()
+        assert info.get("disable_overlap_schedule") is (name not in ("tree", "cycling")), name
 
 
 def test_accept_length_reported(servers, greedy_outputs):

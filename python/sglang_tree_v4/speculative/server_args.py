@@ -102,6 +102,26 @@ def checkpoint_score_temperature(model_path: str) -> float:
 
 
 ADAPTIVE_ENV = "SGLANG_TREE_V4_ADAPTIVE"  # "1": no shape flag was given, the worker picks the shape per step
+OVERLAP_ENV = "SGLANG_TREE_V4_OVERLAP"  # "1": overlap scheduling on any device, "0": never; unset: not on a CPU
+
+
+def keeps_overlap(device: str | None) -> bool:
+    """Whether TREE_V4 keeps SGLang's overlap scheduling (the worker supports both schedules).
+
+    On a GPU yes: it hides the scheduler's host work behind the device's forward. On a CPU the forward is
+    synchronous, so overlap hides nothing, and measured side by side it did not pay (``benchmark/RESULTS.md``,
+    "Overlap scheduling"); ``SGLANG_TREE_V4_OVERLAP=1`` keeps it there anyway (tests serve the GPU's schedule on
+    the CPU that way)."""
+    import os
+
+    forced = os.environ.get(OVERLAP_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device) != "cpu"
 
 
 def handle_server_args(server_args) -> None:
@@ -121,6 +141,8 @@ def handle_server_args(server_args) -> None:
     server_args.speculative_num_draft_tokens = budget.draft_tokens
     server_args.speculative_eagle_topk = budget.topk
     server_args.speculative_num_steps = budget.steps
+    if not keeps_overlap(server_args.device):
+        server_args.disable_overlap_schedule = True  # on a CPU (``keeps_overlap``)
     server_args.enable_mixed_chunk = False
     if server_args.max_running_requests is None:
         server_args.max_running_requests = 64
