@@ -74,3 +74,24 @@ def test_greedy_never_accepts_padding():
     assert result.accept_lens.tolist() == [2]
     assert result.tokens[0, :2].tolist() == [6, 0]
     assert result.accepted_nodes[0, :2].tolist() == [0, 1]
+
+
+def test_one_node_trees_take_the_short_path_to_the_same_result():
+    """A step without speculation verifies root-only trees: ``DraftTree.roots_only`` and the greedy fast path give
+    what ``from_parents`` and the general rule give (the root accepted, its argmax emitted)."""
+    from sglang_tree_v4.tree.verify_result import VerifyResult
+
+    gen = torch.Generator().manual_seed(3)
+    roots = torch.randint(0, 50, (5,), generator=gen)
+    fast = DraftTree.roots_only(roots)
+    slow = DraftTree.from_parents(roots[:, None], torch.full((5, 1), -1), logprobs=torch.zeros(5, 1))
+    for name in ("tokens", "parents", "depths", "logprobs", "scores", "num_nodes"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    logits = torch.randn(5, 1, 50, generator=gen)
+    got = verify_greedy(fast, logits)
+    want = VerifyResult.from_last_node(slow, torch.zeros(5, dtype=torch.long), logits[:, 0].argmax(-1))
+    for name in ("accepted_nodes", "tokens", "accept_lens"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(got.tokens[:, 0], logits[:, 0].argmax(-1))

@@ -276,8 +276,7 @@ class TreeV4Worker(BaseSpecWorker):
             pending = self._pending_tokens(batch, batch.seq_lens.tolist())
             roots = torch.tensor([_Output(req.output_ids, p)[-1] for req, p in zip(batch.reqs, pending)],
                                  device=self.device)
-            tree = DraftTree.from_parents(roots[:, None], torch.full((bs, 1), -1, device=self.device),
-                                          logprobs=torch.zeros(bs, 1, device=self.device))
+            tree = DraftTree.roots_only(roots)
         else:
             tree = self._draft(batch, D, S)
         D = tree.width

@@ -48,6 +48,15 @@ class DraftTree:
         return self.tokens.device
 
     @classmethod
+    def roots_only(cls, roots: torch.Tensor) -> "DraftTree":
+        """One-node trees (a step without speculation), as ``from_parents`` builds them, without its checks and path
+        walk: such a step runs at every large batch, where these cost as much as SGLang's sampler."""
+        tokens = roots.long()[:, None]
+        zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return cls(tokens, torch.full_like(tokens, -1), torch.zeros_like(tokens), zeros, zeros.clone(),
+                   torch.ones(tokens.shape[0], dtype=torch.long, device=tokens.device))
+
+    @classmethod
     def from_parents(
         cls,
         tokens: torch.Tensor,

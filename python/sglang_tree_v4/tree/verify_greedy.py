@@ -23,6 +23,10 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
 def verify_greedy_from_argmax(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyResult:
     """Same as :func:`verify_greedy` from the target's ``[B, D]`` argmax tokens (when only those are at hand)."""
     width = tree.width
+    if width == 1:  # one-node trees (no speculation): the root is accepted and its argmax is the token
+        root = torch.zeros(tree.batch_size, 1, dtype=torch.long, device=tree.device)
+        return VerifyResult(root, target_argmax[:, :1].long(), torch.ones(tree.batch_size, dtype=torch.long,
+                                                                           device=tree.device))
     valid = tree.valid_mask()
     expected = target_argmax.gather(1, tree.parents.clamp(min=0))
     agrees = (tree.tokens == expected) & valid
