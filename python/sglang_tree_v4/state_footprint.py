@@ -5,17 +5,16 @@ sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the ent
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
 *window row* per position of each request's last window (keys, compressor rows, the MTP's streams and keys), plus
 the draft trees' scratch (D entry rows per running request in each compressed layer, K (S - 1) rows in each MTP
-layer). This module measures them
-the way the server allocates them -- the pool class the server builds, with the arguments SGLang derives from the
-config our model override hands it (``sglang_config``), at two sizes and with and without scratch, so the slopes
-are the pool's real bytes and not a formula -- and splits them into kinds from our layouts (the split must add up
-to the measured bytes).
+layer). This module measures them the way the server allocates them -- the pool class the server builds, with the
+arguments SGLang derives from the config our model override hands it (``sglang_config``), at two sizes and with
+and without scratch, so the slopes are the pool's real bytes and not a formula -- and splits them into kinds from
+our layouts (the split must add up to the measured bytes).
 
 Per token: its share of the entry rows. Per running request: the window rows it holds (``window_rows_held``), plus
 the verify slots the worker reserves beyond the committed length (D), its last page's unused slots (at most
 ``page - 1``), its D rows of entry scratch and K (S - 1) rows of MTP scratch, and one ``req_to_token`` row (int32
-per position of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token slots; the report
-gives the rows the running requests need.
+per position of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token
+slots; the report gives the rows the running requests need.
 
 Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
 + 8 scale bytes, CSA index keys of ``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens;
@@ -30,8 +29,8 @@ import torch
 from .dsv4.config import CSA, HCA, DSV4Config
 from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
                                state_page_size, token_layer_widths)
+from .dsv4.mtp import draft_scratch_rows
 from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
-from .speculative.mtp_drafter import draft_scratch_rows
 from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",

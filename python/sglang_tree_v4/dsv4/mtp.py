@@ -35,6 +35,12 @@ class MTPBlock(Block):
         self.hc_head = HyperHead(cfg.hc_mult, D, cfg.hc_eps, cfg.rms_norm_eps)
 
 
+def draft_scratch_rows(topk: int, steps: int) -> int:
+    """MTP scratch rows one request's draft tree needs: K nodes fed at each of steps 1 .. S - 1 (the root's draft
+    comes from the committed rows; ``speculative.mtp_drafter``)."""
+    return topk * max(steps - 1, 0)
+
+
 def new_mtp_store(cfg: DSV4Config, num_slots: int, dtype=torch.float32, device="cpu",
                   scratch_rows: int = 0) -> SlotStore:
     """The MTP's window keys per slot, and ``scratch_rows`` rows for draft-tree nodes (``mtp_drafter``)."""

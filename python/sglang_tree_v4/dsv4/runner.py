@@ -37,8 +37,8 @@ class DSV4Runner:
         dev = model.embed.weight.device
         dt = model.embed.weight.dtype
         self.store: SlotStore = model.new_store(num_slots, dt, dev, entry_format)
-        self.mtp_store: SlotStore | None = new_mtp_store(model.cfg, num_slots, dt, dev,
-                                                                   draft_scratch_rows) if len(model.mtp) else None
+        self.mtp_store: SlotStore | None = (new_mtp_store(model.cfg, num_slots, dt, dev, draft_scratch_rows)
+                                            if len(model.mtp) else None)
         self.alloc = SlotAllocator(num_slots)
         self.req_table = torch.full((max_reqs, max_len), -1, dtype=torch.long, device=dev)
         self.lens: dict[int, int] = {}

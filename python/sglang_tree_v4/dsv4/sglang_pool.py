@@ -35,6 +35,7 @@ import math
 import torch
 
 from .config import DSV4Config
+from .mtp import draft_scratch_rows
 from .storage import entry_layer_rows, model_layouts, model_token_layouts, mtp_layouts, streams_layouts
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
             raise ValueError(f"TREE_V4's pool needs the resolved --{name.replace('_', '-')} to size its scratch")
     requests = max_requests or server_args.max_running_requests or 0
     return (requests * shape["speculative_num_draft_tokens"],
-            requests * shape["speculative_eagle_topk"] * (shape["speculative_num_steps"] - 1))
+            requests * draft_scratch_rows(shape["speculative_eagle_topk"], shape["speculative_num_steps"]))
 
 
 def retained_window(cfg: DSV4Config) -> int:

@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dsv4.mtp import mtp_forward
+from ..dsv4.mtp import draft_scratch_rows, mtp_forward
 from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
 from ..tree import DraftStep
-
-
-def draft_scratch_rows(topk: int, steps: int) -> int:
-    """MTP scratch rows one request's draft tree needs (K nodes fed at each of steps 1 .. S - 1)."""
-    return topk * max(steps - 1, 0)
 
 
 def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor,

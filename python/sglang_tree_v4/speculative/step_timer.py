@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from ..dsv4.mtp import new_mtp_store, new_streams_store
+from ..dsv4.mtp import draft_scratch_rows, new_mtp_store, new_streams_store
 from ..dsv4.sglang_model import fixed_shapes, verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes
-from .mtp_drafter import MTPTreeDrafter, catch_up, draft_scratch_rows
+from .mtp_drafter import MTPTreeDrafter, catch_up
 
 BATCHES = (1, 4, 16, 64)
 CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
