@@ -192,8 +192,12 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         device = positions.device
         if mode.is_target_verify():
             n = forward_batch.spec_info.draft_token_num
-            table, entry_out = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask,
-                                            out_slots, n)
+            if n == 1:  # the root alone (a step without speculation): a decode query in its own reserved slot
+                table = SlotTable.for_requests(req_table, torch.arange(bs, device=device), positions)
+                entry_out = None
+            else:
+                table, entry_out = verify_table(req_table, forward_batch.seq_lens,
+                                                forward_batch.spec_info.custom_mask, out_slots, n)
             caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1], forward_batch.seq_lens_cpu)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
