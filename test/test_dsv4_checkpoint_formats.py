@@ -200,11 +200,11 @@ def test_footprint_state_of_the_published_v4_flash_config():
     6,962 bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the
     widest, 273,754 unpadded, 47,442 with a full entry row per token). A window row holds the rest -- keys (43
     layers + MTP, 512), compressor rows (CSA 2 x 1024 + 2 x 256, HCA 2 x 512), the MTP's input streams (4 x 4096)
-    -- and a request holds at most 256 + 127 window rows (SGLang keeps the retained window of 129 rounded up to whole
-    pages, and frees whole pages) + 8 for the verify block, 8 + 127 token slots beyond its committed tokens
-    (reservation, last page), 8 scratch rows (one entry of every layer per draft node) and 9 MTP scratch rows (the
-    K (S - 1) draft nodes past the root). The split by kind adds
-    up; upstream's fp8 layout needs about 3.85 KB per token.
+    -- and a request holds at most 128 + 128 window rows (SGLang keeps the retained window of 128, a whole page, and
+    frees every 128 positions, its eviction interval) + 8 for the verify block, 8 + 127 token slots beyond its
+    committed tokens (reservation, last page), 8 scratch rows (one entry of every layer per draft node) and 9 MTP
+    scratch rows (the K (S - 1) draft nodes past the root). The split by kind adds up; upstream's fp8 layout needs
+    about 3.85 KB per token.
 
     With ``--kv-cache-dtype fp8_e4m3`` the entries are upstream's fp8 bytes -- 584 per entry (448 e4m3, 64 bf16
     rope channels, 7 scales, 1 pad), 132 per index key (128 e4m3, a 4-byte scale) -- and the window rows stay bf16:
@@ -220,12 +220,12 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row
     assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row + mtp_scratch
     assert r["draft_tree_slots_per_request"] == 8  # the default D=8 K=3 S=4 tree's verify block
-    assert r["window_rows_per_request"] == 256 + 127 + 8
-    assert r["state_bytes_per_request"] == (391 * window_row + (8 + 127) * token + 8 * scratch_row + mtp_scratch
+    assert r["window_rows_per_request"] == 128 + 128 + 8
+    assert r["state_bytes_per_request"] == (264 * window_row + (8 + 127) * token + 8 * scratch_row + mtp_scratch
                                             + 131072 * 4)
     kinds = r["state_bytes_by_kind"]
     assert sum(v for k, v in kinds.items() if k != "req_to_token") == (
-        token * (r["state_tokens"] + 64 * 135) + window_row * 64 * 391 + 64 * (8 * scratch_row + mtp_scratch))
+        token * (r["state_tokens"] + 64 * 135) + window_row * 64 * 264 + 64 * (8 * scratch_row + mtp_scratch))
     assert kinds["compressed_entries"] == (21 * 640 // 4 + 20 * 512 // 128) * 2 * (1_000_000 + 64 * 135)
     assert r["state_bytes"] == 1_000_000 * r["state_bytes_per_token"] + 64 * r["state_bytes_per_request"]
     assert 3800 < r["upstream_fp8_state_bytes_per_token"] < 3900
@@ -276,7 +276,8 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
     cfg = DSV4Config.from_dict(raw)
     pc, window, token = sglang_config(raw), window_layer_widths(cfg), token_layer_widths(cfg)
     assert pc.is_hybrid_swa and pc.hybrid_layer_pattern == [1] * len(window) + [0] * len(token)
-    assert pc.num_hidden_layers == len(window) + len(token) and pc.sliding_window > cfg.window
+    assert pc.num_hidden_layers == len(window) + len(token)
+    assert pc.sliding_window == max(cfg.window, *cfg.compress_ratios)  # what a step reads below its first query
     per_slot = token_columns_per_slot(cfg)
     for widths, hd, vd in ((window, pc.swa_head_dim, pc.swa_v_head_dim), (per_slot, pc.head_dim, pc.v_head_dim)):
         real = sum(widths) + len(widths) * vd

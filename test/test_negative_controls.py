@@ -4,7 +4,8 @@ still passed here could not see the bug it is named after.
 
 * a verifier that emits one wrong token      -> the greedy identity check fails;
 * a pool that forgets to free aborted requests -> the leak check sees held slots;
-* an acceptance biased by 2 %                -> the sampled-losslessness statistic leaves its band.
+* an acceptance biased by 2 %                -> the sampled-losslessness statistic leaves its band;
+* window rows kept one page short            -> served tokens are not the model's (``test_window_retention.py``).
 """
 
 from __future__ import annotations
@@ -15,27 +16,27 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_tree_v4 import launcher, prompts
+from sglang_tree_v4 import prompts
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.weights import load_model
 from sglang_tree_v4.speculative.offline import plain_greedy
 from support import serving_checks as checks
 from test_tree_v4_serving import COMMON, EMBEDDED, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
+from test_window_retention import EARLIEST_EVICTION
 
 pytestmark = pytest.mark.server
-MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept")
+MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window")
+ENV = {"short_window": EARLIEST_EVICTION}
 
 
 @pytest.fixture(scope="module")
 def mutated(tmp_path_factory):
     logs = tmp_path_factory.mktemp("mutated")
-    started = {m: checks.launch_mutated(EMBEDDED, COMMON + TREE + ["--sleep-on-idle"], m, logs / f"{m}.log")
+    started = {m: checks.launch_mutated(EMBEDDED, COMMON + TREE + ["--sleep-on-idle"], m, logs / f"{m}.log",
+                                        **ENV.get(m, {}))
                for m in MUTATIONS}
-    try:
-        yield {m: launcher.wait_healthy(s) for m, s in started.items()}
-    finally:
-        for s in started.values():
-            s.stop()
+    with checks.healthy(started) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +73,8 @@ def test_biased_acceptance_fails_the_sampling_check(mutated, target_model):
                                           SAMPLES_PER_CASE, SAMPLED_TOKENS)
     print(stats)
     assert max(abs(z) for z in stats.z.values()) > checks.Z_CRITICAL, stats
+
+
+def test_short_window_fails_the_window_check(mutated, target_model):
+    bad = checks.window_read_violations(mutated["short_window"], target_model)
+    assert bad, "the window check did not see reads of freed window rows"

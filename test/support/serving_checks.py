@@ -11,6 +11,7 @@ must pass on the real server and fail on a server with an injected fault: ``supp
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import math
 import os
 import time
@@ -30,6 +31,17 @@ def launch_mutated(model, args: list[str], mutation: str, log: Path, **env_vars:
     path = os.pathsep.join(p for p in (str(MUTATIONS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     env = launcher.clean_env(PYTHONPATH=path, TREE_V4_TEST_MUTATION=mutation, **env_vars)
     return launcher.launch(model, args, log=log, env=env)
+
+
+@contextlib.contextmanager
+def healthy(started: dict[str, launcher.Server]):
+    """Servers started together (``launcher.launch`` returns at once), once all answer; all stopped on the way out,
+    also when one of them never comes up."""
+    try:
+        yield {name: launcher.wait_healthy(s) for name, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
 
 
 def assert_speculation_exercised(outputs: list[dict]) -> None:
@@ -88,6 +100,40 @@ def assert_radix_hits_match_cold_runs(plain, spec) -> None:
             hit = hits[name][n]
             assert hit["output_ids"] == cold["output_ids"], (name, n)
             assert hit["meta_info"]["cached_tokens"] >= {37: 0, 45: 32, 230: 224}[n], (name, n, hit["meta_info"])
+
+
+def window_read_violations(server, model, n_prompts: int = 4, new_tokens: int = 160,
+                           tie: float = 1e-3) -> list[tuple[int, int, float]]:
+    """Greedy continuations served in one batch, each token checked against our model outside SGLang (a
+    ``DSV4Runner``, which frees nothing), teacher-forced on the served sequence: the served token must be that
+    model's top-1 up to a near tie (top log-prob minus the token's below ``tie``). Returns (request, token,
+    gap) for every token that is not.
+
+    Why outside SGLang: SGLang frees a request's window rows once they are ``retained_window`` positions behind
+    (its ``sliding_window``), and a freed position reads SGLang's padding row. A step that read further back would
+    read it on every server and on a cold run alike, so comparing servers cannot see it; the model that keeps
+    everything can. Run the server with ``SGLANG_SWA_EVICTION_INTERVAL=1`` so rows are freed as early as SGLang
+    ever frees them."""
+    texts = [r["question"] for r in prompts.gsm8k("test")[10:10 + n_prompts]]
+    ids = [server.post("/tokenize", {"prompt": t}).json()["tokens"] for t in texts]
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    outs = run_all(server, [{"input_ids": p} for p in ids], sampling)
+    from sglang_tree_v4.dsv4.runner import DSV4Runner
+
+    longest = max(len(p) for p in ids) + new_tokens
+    runner = DSV4Runner(model, num_slots=longest + 16, max_len=longest + 1, max_reqs=1)
+    bad = []
+    for i, (prompt, out) in enumerate(zip(ids, outs)):
+        got = out["output_ids"]
+        assert len(got) == new_tokens, (i, len(got))
+        rid = runner.add_request()
+        with torch.no_grad():
+            logits = runner.extend([rid], [prompt + got[:-1]])[0].logits[len(prompt) - 1:]
+        runner.release(rid)
+        logp = torch.log_softmax(logits.double(), -1)
+        gaps = logp.max(-1).values - logp.gather(1, torch.tensor(got)[:, None]).squeeze(1)
+        bad += [(i, j, float(g)) for j, g in enumerate(gaps.tolist()) if g >= tie]
+    return bad
 
 
 # --- leaks -----------------------------------------------------------------------------------------------------

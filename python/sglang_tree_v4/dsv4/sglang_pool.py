@@ -119,10 +119,14 @@ def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
 
 
 def retained_window(cfg: DSV4Config) -> int:
-    """Positions back from the newest that SGLang must keep in window rows (its ``sliding_window``): the window,
-    the longest compression block (a block-closing query pools rows ``r - 1`` back), the MTP catch-up (a window
-    back), plus one for the token being decoded."""
-    return max([cfg.window] + [r for r in cfg.compress_ratios if r]) + 1
+    """Positions SGLang must keep in window rows (its ``sliding_window``), counted back from the newest committed
+    position ``L`` (SGLang frees positions below ``L - sliding_window``, in whole pages): what a step reads below its
+    first query. The target's window (a query at ``p >= L`` reads keys from ``p - window + 1``), a block-closing
+    query's rows (from ``p - r + 1``), and the MTP's root draft (the query at ``L - 1`` reads its keys from
+    ``L - window``; the catch-up queries before it are run for the rows they write, which depend on their own token
+    and stream only, and their outputs are dropped). ``test_window_retention`` serves past freed rows against the
+    model that frees nothing."""
+    return max([cfg.window] + [r for r in cfg.compress_ratios if r])
 
 
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],

@@ -9,6 +9,8 @@ after it is first imported, before anyone binds its names. The product code carr
 * ``leak_aborted``: the KV release of aborted requests is skipped (their slots are never freed).
 * ``biased_accept``: stochastic acceptance accepts every draft with probability ``min(1, p + 0.02)``
   (each acceptance coin lowered by 0.02).
+* ``short_window``: SGLang is told to keep one page of window rows less than the state reads
+  (``sglang_pool.retained_window``).
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), so a test sees every switch the policy could ever make; ``never_speculate`` makes it
@@ -60,6 +62,15 @@ def _biased_accept(worker) -> None:
     worker.verify_sampling = verify_sampling
 
 
+def _short_window(pool) -> None:
+    original = pool.retained_window
+
+    def retained_window(cfg):
+        return original(cfg) - pool.state_page_size(cfg)
+
+    pool.retained_window = retained_window
+
+
 def _cycle_shapes(adaptive) -> None:
     def choose(self, batch):
         self.steps += 1
@@ -76,6 +87,7 @@ PATCHES = {
     "wrong_token": ("sglang_tree_v4.speculative.worker", _wrong_token),
     "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
+    "short_window": ("sglang_tree_v4.dsv4.sglang_pool", _short_window),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
     "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
 }

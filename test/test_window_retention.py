@@ -1,0 +1,50 @@
+"""Every read of a step stays inside the window rows SGLang keeps.
+
+SGLang frees a request's window rows (window keys, compressor rows, the MTP's keys and input streams) once their
+positions are ``retained_window`` behind the newest (its ``sliding_window``, rounded to whole pages), and a freed
+position then reads its padding row. What the state needs back from the newest committed position: the window
+(keys of the last ``window`` positions, the query's own included), a block-closing query's rows (``r`` positions,
+its own included) and the MTP's root draft (the last window of its keys); so ``retained_window`` is the larger of
+the window and the longest block. A wrong read would be the same on every server and on a cold run, so this
+compares served tokens with our model outside SGLang (``serving_checks.window_read_violations``), with SGLang
+freeing rows as early as it ever does (``SGLANG_SWA_EVICTION_INTERVAL=1``), on a plain server and on TREE_V4 with
+the CPU's eager step and with the GPU's fixed-shape step under overlap scheduling (whose eviction runs while the
+previous round's forward is still reading). Negative control: ``test_negative_controls.py`` keeps a window of one
+page less, and the same check fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_tree_v4 import launcher as srv
+from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
+from support import serving_checks as checks
+from test_tree_v4_serving import COMMON, EMBEDDED, TREE, target_model  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.server
+EARLIEST_EVICTION = {"SGLANG_SWA_EVICTION_INTERVAL": "1"}
+SERVERS = {
+    "plain": ([], {}),
+    "tree": (TREE, {}),
+    "tree_fixed_overlap": (TREE, {FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1"}),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    started = {name: srv.launch(EMBEDDED, COMMON + args + ["--sleep-on-idle"], logs / f"{name}.log",
+                                env=srv.clean_env(**EARLIEST_EVICTION, **env))
+               for name, (args, env) in SERVERS.items()}
+    with checks.healthy(started) as ready:
+        yield ready
+
+
+@pytest.mark.parametrize("name", list(SERVERS))
+def test_served_tokens_are_the_models_past_freed_windows(servers, target_model, name):
+    """4 prompts of GSM8K test, 160 greedy tokens each in one batch: 5 windows of the embedded model (32), so
+    every request's early rows are freed while it decodes."""
+    bad = checks.window_read_violations(servers[name], target_model)
+    assert not bad, f"{len(bad)} served tokens are not the model's top-1: {bad[:5]}"
