@@ -16,10 +16,14 @@ the verify slots the worker reserves beyond the committed length (D), its last p
 per position of the context length). SGLang provisions the window rows as ``--swa-full-tokens-ratio`` x the token
 slots; the report gives the rows the running requests need.
 
-Upstream's figures come from its V4 layout (``notes``: fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope
-+ 8 scale bytes, CSA index keys of ``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens;
-per request the SWA ring of ``window + D - 1`` fp8 rows in every layer and the MTP layer, the fp32 compressor
-rings of 16 rows (CSA, main and indexer) and 256 rows (HCA) under speculation). They are a formula, stated as such.
+Upstream's figures come from its V4 layout on a GPU, as SGLang 0.5.23's code allocates it (read, not run; its
+``mem_cache/deepseek_v4_memory_pool.py``, ``deepseek_v4_compress_state.py``, ``model_executor/pool_configurator.py``):
+per token fp8 entries of ``head_dim - rope`` e4m3 bytes + bf16 rope + 8 scale bytes and CSA index keys of
+``index_head_dim`` e4m3 bytes + a 4-byte scale, one entry per ``r`` tokens; per running request the window in
+SGLang's paged SWA pool, owned by the radix cache as ours (pages of 256 tokens, so a request holds up to 511
+positions plus its draft tokens), each position one fp8 key per layer and MTP layer and, per 256-token page, the
+fp32 CSA compressor state of 16 positions (main and indexer, under speculation), and a per-request fp32 HCA
+compressor ring of 256 rows (under speculation), plus the ``req_to_token`` row. They are a formula, stated as such.
 """
 
 from __future__ import annotations
@@ -110,18 +114,30 @@ def window_rows_held(cfg: DSV4Config) -> int:
     return max(w + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1)
 
 
-def upstream_estimate(cfg: DSV4Config, draft_tokens: int) -> dict[str, float]:
+UPSTREAM_PAGE = 256  # upstream's V4 page size on a GPU (its paged SWA pool requires it)
+UPSTREAM_SPEC_RINGS = {"csa": 16, "hca": 256}  # compressor state positions kept under speculation
+UPSTREAM_FP32_STATE = 4  # bytes per compressor-state value (upstream keeps them in fp32)
+
+
+def upstream_estimate(cfg: DSV4Config, draft_tokens: int, context_len: int) -> dict[str, float]:
     """Upstream SGLang's V4 state with fp8 entries (see module doc): bytes per token and per running request."""
+    from sglang.srt.environ import envs
+
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
     csa, hca = types.count(CSA), types.count(HCA)
     hca_ratio = max((r for r in cfg.compress_ratios if r and not cfg.is_csa_ratio(r)), default=1)
     entry = (cfg.head_dim - cfg.rope_dim) + 2 * cfg.rope_dim + 8
     index_key = cfg.index_head_dim + 4
     per_token = csa * (entry + index_key) / cfg.csa_ratio + hca * entry / hca_ratio
-    swa_rows = (cfg.window + draft_tokens - 1) * entry * (cfg.num_layers + cfg.num_nextn_predict_layers)
-    c4 = csa * 16 * 4 * (cfg.head_dim + cfg.index_head_dim) * 4
-    c128 = hca * 256 * 2 * cfg.head_dim * 4
-    return {"state_bytes_per_token": per_token, "state_bytes_per_request": swa_rows + c4 + c128}
+    page, rings = UPSTREAM_PAGE, UPSTREAM_SPEC_RINGS
+    kept = -(-max(cfg.window, page) // page) * page
+    swa_positions = max(cfg.window + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1) + draft_tokens
+    csa_state = 2 * 2 * (cfg.head_dim + cfg.index_head_dim) * UPSTREAM_FP32_STATE  # overlap: 2 halves, kv + score
+    per_position = (entry * (cfg.num_layers + cfg.num_nextn_predict_layers)
+                    + rings["csa"] / page * csa_state * csa)
+    hca_state = hca * rings["hca"] * 2 * cfg.head_dim * UPSTREAM_FP32_STATE
+    return {"state_bytes_per_token": per_token,
+            "state_bytes_per_request": swa_positions * per_position + hca_state + context_len * 4}
 
 
 def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk: int, steps: int,
@@ -153,7 +169,7 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     by_kind["tree_scratch"] = requests * (draft_tokens * row["scratch"] + mtp_scratch)
     by_kind["req_to_token"] = requests * context_len * 4
     by_kind = {k: round(v) for k, v in by_kind.items()}
-    upstream = upstream_estimate(cfg, draft_tokens)
+    upstream = upstream_estimate(cfg, draft_tokens, context_len)
     return {
         "state_bytes_per_token": row["token"],
         "state_bytes_per_request": round(per_request),
