@@ -22,7 +22,7 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   children, so the kept set is a subtree), the accepted path's nodes that survive are what the smaller tree would
   have accepted (exact for greedy acceptance of that subtree). One step thus updates the statistics of all shapes
   at or below the one it ran; now and then the largest shape runs to keep them fresh (about 1 / ``EXPLORE_SHARE``
-  of the time, a quarter of that while no tree pays: ``IDLE_EXPLORE_FACTOR``).
+  of the time).
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again every ``EXPLORE_SHARE`` speculative steps), so the
   comparison that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model
@@ -49,10 +49,6 @@ NO_SPECULATION = (1, 0)
 # The largest shape runs now and then (fresh statistics for every shape below it), spending about 1 / EXPLORE_SHARE
 # of the time: after EXPLORE_SHARE x (its predicted step time / the chosen shape's) steps of the chosen shape.
 EXPLORE_SHARE = 50
-# ... and a quarter as often while the policy does not speculate: exploring then also pays the MTP's catch-up over
-# every position it skipped (up to a window; on the CPU at batch 32, 100 positions cost as much as 8 decode steps,
-# and that shows in the shape's observed time, not in its share of the steps), and no tree pays at that batch size.
-IDLE_EXPLORE_FACTOR = 4
 # Speculate only where a shape is predicted this much faster than no speculation: near a tie the end-to-end
 # throughput (prefill, catch-up after a switch, noise in the step times) favours plain decoding, and the default
 # must never lose to it.
@@ -215,8 +211,7 @@ class AdaptivePolicy:
         largest_s = self.times.predict(batch, self.largest)
         self.since_explore += 1
         self.since_baseline += 1
-        share = EXPLORE_SHARE * (IDLE_EXPLORE_FACTOR if best == NO_SPECULATION else 1)
-        if best != self.largest and largest_s and best_s and self.since_explore >= share * largest_s / best_s:
+        if best != self.largest and largest_s and best_s and self.since_explore >= EXPLORE_SHARE * largest_s / best_s:
             best = self.largest
         elif best != NO_SPECULATION and self._baseline_due(batch):
             best = NO_SPECULATION
