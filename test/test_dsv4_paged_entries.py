@@ -150,3 +150,19 @@ def test_prefill_and_decode_logits_match_transformers(model):
         got = ours(ForwardBatch(ids, pos, table[0, pos], SlotTable.for_requests(table, torch.zeros(40, dtype=torch.long),
                                                                                 pos)), store).logits
     assert rel_err(got, hf_logits(hf, ids)) <= TOL
+
+
+def test_a_verify_table_of_the_root_alone_reads_what_a_tree_table_reads():
+    """``verify_table`` with one node per request (a step without speculation) skips the tree-mask bookkeeping and
+    reads like a decode query; every position it can look up, window and entries, resolves to the slot the general
+    table (the root as its own only ancestor) gives, and its entries go to its own slot."""
+    bs, T = 3, 40
+    req_table = torch.arange(bs * T).view(bs, T)
+    committed = torch.tensor([5, 17, 33])
+    out_slots = req_table.gather(1, committed[:, None]).squeeze(1)
+    table, entry_out = verify_table(req_table, committed, torch.ones(bs, dtype=torch.bool), out_slots, 1)
+    general = SlotTable(req_table, torch.arange(bs), committed, out_slots[:, None], out_slots[:, None])
+    pos = committed[:, None] - torch.arange(T)
+    for entries in (False, True):
+        assert torch.equal(table.lookup(pos, entries), general.lookup(pos, entries))
+    assert torch.equal(entry_out, out_slots)

@@ -102,16 +102,20 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype,
 
 
 def window_rows_held(cfg: DSV4Config) -> int:
-    """Most committed positions whose window rows a running request holds. SGLang frees a request's window rows once
-    at least ``SGLANG_SWA_EVICTION_INTERVAL`` of them are ``retained_window`` (W) behind the newest, down to whole
-    pages and keeping ``max(W, page)`` rounded up to whole pages (so a radix match at a page boundary still has its
-    window): just before a free that is ``W + interval`` positions, just after one up to that rounded window plus a
-    page."""
+    """Most committed positions whose window rows a running request of our pool holds (``swa_positions_held``)."""
+    return swa_positions_held(retained_window(cfg), state_page_size(cfg))
+
+
+def swa_positions_held(window: int, page: int) -> int:
+    """Most committed positions whose rows SGLang's paged SWA pool keeps for a running request that must keep
+    ``window``. SGLang frees a request's window rows once at least ``SGLANG_SWA_EVICTION_INTERVAL`` of them are
+    ``window`` behind the newest, down to whole pages and keeping ``max(window, page)`` rounded up to whole pages
+    (so a radix match at a page boundary still has its window): just before a free that is ``window + interval``
+    positions, just after one up to that rounded window plus a page."""
     from sglang.srt.environ import envs
 
-    w, page = retained_window(cfg), state_page_size(cfg)
-    kept = -(-max(w, page) // page) * page
-    return max(w + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1)
+    kept = -(-max(window, page) // page) * page
+    return max(window + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1)
 
 
 UPSTREAM_PAGE = 256  # upstream's V4 page size on a GPU (its paged SWA pool requires it)
@@ -121,8 +125,6 @@ UPSTREAM_FP32_STATE = 4  # bytes per compressor-state value (upstream keeps them
 
 def upstream_estimate(cfg: DSV4Config, draft_tokens: int, context_len: int) -> dict[str, float]:
     """Upstream SGLang's V4 state with fp8 entries (see module doc): bytes per token and per running request."""
-    from sglang.srt.environ import envs
-
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
     csa, hca = types.count(CSA), types.count(HCA)
     hca_ratio = max((r for r in cfg.compress_ratios if r and not cfg.is_csa_ratio(r)), default=1)
@@ -130,8 +132,7 @@ def upstream_estimate(cfg: DSV4Config, draft_tokens: int, context_len: int) -> d
     index_key = cfg.index_head_dim + 4
     per_token = csa * (entry + index_key) / cfg.csa_ratio + hca * entry / hca_ratio
     page, rings = UPSTREAM_PAGE, UPSTREAM_SPEC_RINGS
-    kept = -(-max(cfg.window, page) // page) * page
-    swa_positions = max(cfg.window + max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get()), kept + page - 1) + draft_tokens
+    swa_positions = swa_positions_held(cfg.window, page) + draft_tokens
     csa_state = 2 * 2 * (cfg.head_dim + cfg.index_head_dim) * UPSTREAM_FP32_STATE  # overlap: 2 halves, kv + score
     per_position = (entry * (cfg.num_layers + cfg.num_nextn_predict_layers)
                     + rings["csa"] / page * csa_state * csa)

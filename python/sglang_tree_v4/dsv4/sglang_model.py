@@ -73,6 +73,8 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     request's committed length, the node's own ancestors' verify slots above it -- and where each node's entries
     go (``tree_entry_slots``; the table's ``anc_entry`` holds the same for the ancestors)."""
     bs = committed.shape[0]
+    if n == 1:  # the root alone (a step without speculation): a decode query in its own reserved slot
+        return SlotTable.for_requests(req_table, torch.arange(bs, device=committed.device), committed.long()), out_slots
     query_req = torch.arange(bs, device=committed.device).repeat_interleave(n)
     anc = tree_ancestor_slots(custom_mask, out_slots, bs, n)
     entry_out = tree_entry_slots(custom_mask, out_slots, bs, n)
@@ -192,12 +194,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         device = positions.device
         if mode.is_target_verify():
             n = forward_batch.spec_info.draft_token_num
-            if n == 1:  # the root alone (a step without speculation): a decode query in its own reserved slot
-                table = SlotTable.for_requests(req_table, torch.arange(bs, device=device), positions)
-                entry_out = None
-            else:
-                table, entry_out = verify_table(req_table, forward_batch.seq_lens,
-                                                forward_batch.spec_info.custom_mask, out_slots, n)
+            table, entry_out = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask,
+                                            out_slots, n)
             caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1], forward_batch.seq_lens_cpu)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
