@@ -8,6 +8,11 @@ both layouts, with requests on scattered pages, trees whose nodes close CSA and 
 closing the same block), and the one-row-per-slot store as the reference (its tree verification is the one the
 tree-state tests hold against sequential decoding). A store that writes every node's entry to its slot's block row
 (no scratch) must not give the reference's logits: the check can fail.
+
+The server also keeps a CSA layer's compressor rows in a ring of a few rows per page (``SlotStore``'s ring rows):
+over pages of 64 and a ring of 32, a 38-token prefill writes over its own first rows, so its block-closing queries
+must read the rows of their own forward from its values, and the trees' nodes must not land on the committed rows
+their blocks still read. Both are checked against the same pages without a ring, with controls that break each.
 """
 import pytest
 import torch
@@ -15,8 +20,9 @@ import torch
 from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
 from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, tree_ancestor_slots, verify_table
 from sglang_tree_v4.dsv4.sglang_pool import entry_ratios, state_page_size
+from sglang_tree_v4.dsv4 import compressor
 from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_layouts,
-                                         model_token_layouts)
+                                         model_token_layouts, paged_layouts, ring_period, ring_rows)
 
 torch.set_num_threads(1)
 V, TOL = 512, 1e-4
@@ -44,29 +50,40 @@ def page_table(P: int, lens: int, seed: int) -> torch.Tensor:
     return pages[:, pos // P] * P + pos % P
 
 
-def run(model, compact: bool, scratch: bool = True, fixed: bool = False, entry_format: str | None = None):
+RING_PAGE, PREFIX = 64, 40
+
+
+def run(model, compact: bool, scratch: bool = True, fixed: bool = False, entry_format: str | None = None,
+        page: int | None = None, ring: int | None = None, prefix: int = 0):
     """Prefill, verify the trees (``fixed``: with the fixed-shape step a GPU captures), commit ``ACCEPT``,
-    decode: the logits of every step (``entry_format``: entries kept as fp8 bytes)."""
+    decode: the logits of every step (``entry_format``: entries kept as fp8 bytes; ``page``: pages of that many
+    slots; ``ring``: CSA compressor rows in a ring of that period per page; ``prefix``: prompts that many tokens
+    longer, a multiple of every ratio, so the trees cross the same blocks)."""
     cfg = model.cfg
-    P = state_page_size(cfg)
-    T = 64
+    P = page or state_page_size(cfg)
+    T = 64 + 2 * prefix
+    requests = [(L + prefix, p) for L, p in REQUESTS]
     table = page_table(P, T, seed=9)
     num_slots = (table.max().item() // P + 2) * P
     B = len(REQUESTS)
-    store = SlotStore(model_layouts(cfg), num_slots, token_layouts=model_token_layouts(cfg, entry_format),
-                      entry_ratios=entry_ratios(cfg) if compact else None, scratch_rows=B * D)
+    window_layouts, ring_layouts = paged_layouts(cfg) if ring else (model_layouts(cfg), None)
+    store = SlotStore(window_layouts, num_slots, token_layouts=model_token_layouts(cfg, entry_format),
+                      entry_ratios=entry_ratios(cfg) if compact else None, scratch_rows=B * D,
+                      ring_layouts=ring_layouts, ring_period=ring, page=P)
+    if ring:
+        assert store.in_ring(1, "ckv") and sum(b.shape[0] for b in store.ring_buffers if b.shape[1]) > 0
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, V, (L,), generator=g) for L, _ in REQUESTS]
+    prompts = [torch.randint(0, V, (L,), generator=g) for L, _ in requests]
     out = []
     with torch.no_grad():
         ids = torch.cat(prompts)
-        q_req = torch.cat([torch.full((L,), b) for b, (L, _) in enumerate(REQUESTS)])
-        pos = torch.cat([torch.arange(L) for L, _ in REQUESTS])
+        q_req = torch.cat([torch.full((L,), b) for b, (L, _) in enumerate(requests)])
+        pos = torch.cat([torch.arange(L) for L, _ in requests])
         slots = table[q_req, pos]
         out.append(model(ForwardBatch(ids, pos, slots, SlotTable.for_requests(table, q_req, pos)), store).logits)
 
         # One verify forward of a D-node tree per request (padded trees: unused nodes are chained leaves).
-        committed = torch.tensor([L for L, _ in REQUESTS])
+        committed = torch.tensor([L for L, _ in requests])
         parents = torch.tensor([p + [len(p) - 1 + k for k in range(D - len(p))] for _, p in REQUESTS])
         depth = torch.zeros(B, D, dtype=torch.long)
         mask = torch.zeros(B, D, D, dtype=torch.bool)
@@ -97,6 +114,9 @@ def run(model, compact: bool, scratch: bool = True, fixed: bool = False, entry_f
             w_src, w_dst = store._window_rows(src), store._window_rows(dst)
             for buf in store.buffers:
                 buf[w_dst] = buf[w_src]
+            if ring:  # the pool's move of the ring rows with their window rows
+                for buf in store.ring_buffers:
+                    buf[ring_rows(w_dst, P, ring)] = buf[ring_rows(w_src, P, ring)]
             commit_accepted_entries(store, accept, table, committed, D)
         else:
             store.copy_rows(src, dst)
@@ -124,6 +144,32 @@ def test_entries_per_block_with_tree_scratch_equal_entries_per_slot(model, fixed
         r = entry_ratios(ours.cfg)[layer]
         if r:
             assert buf.shape[0] == -(-store.num_slots // r) + len(REQUESTS) * D
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shapes"])
+def test_csa_compressor_rows_in_a_ring_per_page_equal_a_row_per_slot(model, fixed):
+    _, ours = model
+    period = ring_period(ours.cfg, RING_PAGE, D)
+    # Prompts of 61-78 tokens: a prefill wraps the ring of its first page, trees and decodes cross into the second.
+    assert period == 32 and min(L for L, _ in REQUESTS) + PREFIX < RING_PAGE < max(L for L, _ in REQUESTS) + PREFIX
+    reference, _ = run(ours, compact=True, fixed=fixed, page=RING_PAGE, prefix=PREFIX)
+    ringed, store = run(ours, compact=True, fixed=fixed, page=RING_PAGE, ring=period, prefix=PREFIX)
+    assert torch.equal(ringed, reference)
+    csa = [b for b in store.ring_buffers if b.shape[1]]
+    assert csa and all(b.shape[0] == store.num_slots // RING_PAGE * period for b in csa)
+
+
+def test_a_ring_too_short_for_the_tree_or_without_own_rows_breaks(model, monkeypatch):
+    """Controls: a ring of 8 rows (a tree's nodes write over the committed rows their blocks read), and a forward
+    that reads only stored rows (the prefill's own rows are overwritten before its blocks close)."""
+    _, ours = model
+    reference, _ = run(ours, compact=True, page=RING_PAGE, prefix=PREFIX)
+    short, _ = run(ours, compact=True, page=RING_PAGE, ring=8, prefix=PREFIX)
+    assert rel_err(short, reference) > 100 * TOL
+    monkeypatch.setattr(compressor, "find", lambda values, queries: (torch.zeros_like(queries, dtype=torch.bool),
+                                                                     torch.zeros_like(queries)))
+    stored_only, _ = run(ours, compact=True, page=RING_PAGE, ring=ring_period(ours.cfg, RING_PAGE, D), prefix=PREFIX)
+    assert rel_err(stored_only, reference) > 100 * TOL
 
 
 def test_without_scratch_siblings_overwrite_each_other(model):

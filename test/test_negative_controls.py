@@ -5,7 +5,8 @@ still passed here could not see the bug it is named after.
 * a verifier that emits one wrong token      -> the greedy identity check fails;
 * a pool that forgets to free aborted requests -> the leak check sees held slots;
 * an acceptance biased by 2 %                -> the sampled-losslessness statistic leaves its band;
-* window rows kept one page short            -> served tokens are not the model's (``test_window_retention.py``).
+* window rows kept one page short            -> served tokens are not the model's (``test_window_retention.py``);
+* CSA compressor rows read only from the ring  -> the same check fails (pages of 64, a ring of 16).
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ from sglang_tree_v4.dsv4.weights import load_model
 from sglang_tree_v4.speculative.offline import plain_greedy
 from support import serving_checks as checks
 from test_tree_v4_serving import COMMON, EMBEDDED, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
-from test_window_retention import EARLIEST_EVICTION
+from test_window_retention import EARLIEST_EVICTION, RING_PAGES
 
 pytestmark = pytest.mark.server
-MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window")
+MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only")
 ENV = {"short_window": EARLIEST_EVICTION}
+ARGS = {"ring_stored_only": RING_PAGES}
 
 
 @pytest.fixture(scope="module")
 def mutated(tmp_path_factory):
     logs = tmp_path_factory.mktemp("mutated")
-    started = {m: checks.launch_mutated(EMBEDDED, COMMON + TREE + ["--sleep-on-idle"], m, logs / f"{m}.log",
-                                        **ENV.get(m, {}))
+    started = {m: checks.launch_mutated(EMBEDDED, COMMON + TREE + ARGS.get(m, []) + ["--sleep-on-idle"], m,
+                                        logs / f"{m}.log", **ENV.get(m, {}))
                for m in MUTATIONS}
     with checks.healthy(started) as servers:
         yield servers
@@ -78,3 +80,8 @@ def test_biased_acceptance_fails_the_sampling_check(mutated, target_model):
 def test_short_window_fails_the_window_check(mutated, target_model):
     bad = checks.window_read_violations(mutated["short_window"], target_model)
     assert bad, "the window check did not see reads of freed window rows"
+
+
+def test_ring_stored_only_fails_the_window_check(mutated, target_model):
+    bad = checks.window_read_violations(mutated["ring_stored_only"], target_model)
+    assert bad, "the window check did not see compressor rows a prefill overwrote in its ring"

@@ -106,11 +106,12 @@ def test_server_holds_what_the_footprint_report_predicts(servers, checkpoints):
     dense_bytes = json.loads(dense.stdout.strip().splitlines()[-1])["param_bytes_per_rank"]
     assert tp1["param_bytes_per_rank"] < 0.6 * dense_bytes, (tp1, dense_bytes)
     # The state: SGLang logs the two halves of the hybrid pool it allocated (GiB, two decimals): the entries (a row
-    # per block) and window rows; the report's bytes per token slot and per window row predict them.
-    log = servers["published"].log.read_text()
+    # per block) and window rows (with the CSA compressor ring, sized for TREE_V4's default D = 8 as the report);
+    # the report's bytes per token slot and per window row predict them.
+    log = servers["published-tree"].log.read_text()
     pattern = r"(Full|SWA) KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB"
     alloc = {m[0]: (int(m[1]), float(m[2]) + float(m[3])) for m in re.findall(pattern, log)}
-    assert set(alloc) == {"Full", "SWA"}, servers["published"].log_tail()
+    assert set(alloc) == {"Full", "SWA"}, servers["published-tree"].log_tail()
     report = footprint("--tokens", "1")
     for half, row in (("Full", report["state_bytes_per_token"]), ("SWA", report["window_row_bytes"])):
         rows, gib = alloc[half]

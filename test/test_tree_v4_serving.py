@@ -48,8 +48,11 @@ def servers(model, tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     env = {name: srv.clean_env(XDG_CACHE_HOME=cache) for name in ("plain", "chain", "adaptive")}
     env["tree"] = srv.clean_env(XDG_CACHE_HOME=cache, **{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1"})  # the GPU's path
+    # The tree server's pages of 32 keep its CSA compressor rows in a ring of 16 per page (the plain server's pages
+    # of 16: 8; the others': every row), so the identity checks run through both ring layouts.
     started = {name: srv.launch(model, COMMON + args, logs / f"{name}.log", env=env[name])
-               for name, args in (("plain", []), ("tree", TREE), ("chain", CHAIN), ("adaptive", ADAPTIVE))}
+               for name, args in (("plain", []), ("tree", TREE + ["--page-size", "32"]), ("chain", CHAIN),
+                                  ("adaptive", ADAPTIVE))}
     try:
         srv.wait_healthy(started["adaptive"])
         started["cycling"] = checks.launch_mutated(model, COMMON + ADAPTIVE, "cycle_shapes", logs / "cycling.log",
@@ -196,15 +199,17 @@ def test_radix_cache_prefix_reuse(servers):
 
 def test_radix_hits_give_the_tokens_of_a_cold_run(servers):
     """The hybrid pool keeps every block's entries but a window row (keys, compressor rows, streams) only for the
-    last window; SGLang's radix cache matches whole pages (16 tokens here: whole CSA and HCA blocks) of a cached
+    last window, and a CSA layer's compressor rows only in its page's ring (the last 8 or 16 positions of a page
+    stay); SGLang's radix cache matches whole pages (16 tokens on the plain server, 32 on the tree server: whole CSA
+    and HCA blocks) of a cached
     prefix, and only where the window behind the match is still held. A 40-token prompt decodes 220 tokens (so the
     window rows of positions ~40..128 are freed on the way), then three requests share its first 37, 45 and 230
     tokens (each ending inside a page, a CSA and an HCA block; all crossing the window of 32; 45 and 230 go past the
     prompt, 230 past the freed rows) and go on with other tokens. On the tree and the plain server each gives
     exactly the tokens of a cold run (the plain server after a cache flush), and the hits are real
-    (``cached_tokens``: the prompt's two whole pages for 45, the 14 whole pages for 230; a match of 32 for 37 would
-    leave no token to compute the window from, so 37 checks tokens only), so the request computes its own page
-    after the match and reads the entries of the cached blocks."""
+    (``cached_tokens``: at least 32 for 45 and 224 for 230; a match of 32 for 37 would leave no token to compute
+    the window from, so 37 checks tokens only), so the request computes its own page after the match and reads the
+    entries of the cached blocks and the compressor rows of the last cached page's ring."""
     checks.assert_radix_hits_match_cold_runs(servers["plain"], servers["tree"])
 
 

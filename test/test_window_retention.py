@@ -9,8 +9,10 @@ the window and the longest block. A wrong read would be the same on every server
 compares served tokens with our model outside SGLang (``serving_checks.window_read_violations``), with SGLang
 freeing rows as early as it ever does (``SGLANG_SWA_EVICTION_INTERVAL=1``), on a plain server and on TREE_V4 with
 the CPU's eager step and with the GPU's fixed-shape step under overlap scheduling (whose eviction runs while the
-previous round's forward is still reading). Negative control: ``test_negative_controls.py`` keeps a window of one
-page less, and the same check fails.
+previous round's forward is still reading). The CSA compressor rows live in a ring of a few rows per page
+(``storage.SlotStore``): the plain server's pages of 16 keep 8, the tree servers' pages of 64 keep 16, so prefills
+wrap their rings and trees write next to the committed rows their blocks read. Negative control:
+``test_negative_controls.py`` keeps a window of one page less, and the same check fails.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from test_tree_v4_serving import COMMON, EMBEDDED, TREE, target_model  # noqa: F
 
 pytestmark = pytest.mark.server
 EARLIEST_EVICTION = {"SGLANG_SWA_EVICTION_INTERVAL": "1"}
+RING_PAGES = ["--page-size", "64"]  # the tree servers' CSA compressor rows in a ring of 16 per page (plain: 8 of 16)
 SERVERS = {
     "plain": ([], {}),
-    "tree": (TREE, {}),
-    "tree_fixed_overlap": (TREE, {FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1"}),
+    "tree": (TREE + RING_PAGES, {}),
+    "tree_fixed_overlap": (TREE + RING_PAGES, {FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1"}),
 }
 
 
@@ -42,9 +45,14 @@ def servers(tmp_path_factory):
         yield ready
 
 
+RING_LOG = {"plain": "CSA compressor rows: 8 per page of 16", "tree": "CSA compressor rows: 16 per page of 64",
+            "tree_fixed_overlap": "CSA compressor rows: 16 per page of 64"}
+
+
 @pytest.mark.parametrize("name", list(SERVERS))
 def test_served_tokens_are_the_models_past_freed_windows(servers, target_model, name):
     """4 prompts of GSM8K test, 160 greedy tokens each in one batch: 5 windows of the embedded model (32), so
     every request's early rows are freed while it decodes."""
     bad = checks.window_read_violations(servers[name], target_model)
     assert not bad, f"{len(bad)} served tokens are not the model's top-1: {bad[:5]}"
+    assert RING_LOG[name] in servers[name].log.read_text(errors="replace"), "the server built no CSA ring"

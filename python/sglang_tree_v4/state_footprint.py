@@ -3,7 +3,8 @@
 Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
 sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
-*window row* per position of each request's last window (keys, compressor rows, the MTP's streams and keys), plus
+*window row* per position of each request's last window (keys, HCA compressor rows, the MTP's streams and keys,
+and its share of the CSA compressor ring: ``ring_period`` rows per page of window rows), plus
 the draft trees' scratch (D entry rows per running request in each compressed layer, K (S - 1) rows in each MTP
 layer). This module measures them the way the server allocates them -- the pool class the server builds, with the
 arguments SGLang derives from the config our model override hands it (``sglang_config``), at two sizes and with
@@ -34,7 +35,7 @@ from .dsv4.config import CSA, HCA, DSV4Config
 from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
                                state_page_size, token_layer_widths)
 from .dsv4.mtp import draft_scratch_rows
-from .dsv4.storage import model_layouts, model_token_layouts, mtp_layouts
+from .dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
 from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
@@ -46,19 +47,20 @@ KV_CACHE_DTYPES = {"auto": (None, None), "bfloat16": (torch.bfloat16, None), "bf
 
 
 def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
-                           entry_format: str | None = None) -> dict[str, float]:
+                           entry_format: str | None = None, verify_tokens: int = 1) -> dict[str, float]:
     """Bytes of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes from
     ``pool_config``, at its page size), from real allocations: ``{"token": per token slot, "window": per window
-    row, "scratch": per draft-node entry scratch row, "mtp_scratch": per MTP draft scratch row}``."""
+    row (with its share of the CSA compressor ring, sized for ``verify_tokens``), "scratch": per draft-node entry
+    scratch row, "mtp_scratch": per MTP draft scratch row}``."""
     page = state_page_size(cfg)
     pattern = pool_config.hybrid_layer_pattern
     heads = pool_config.num_key_value_heads
 
     def total(label: str, layers: int, head_dim: int, slots: int, scratch: int = 0, mtp_scratch: int = 0) -> int:
-        pool = model_state_pool_class(cfg, scratch, entry_format, mtp_scratch)(
+        pool = model_state_pool_class(cfg, scratch, entry_format, mtp_scratch, verify_tokens)(
             size=slots, page_size=page, dtype=dtype, head_num=heads, head_dim=head_dim, layer_num=layers,
             device="cpu", enable_memory_saver=False, allocation_label=label)
-        return sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
+        return sum(pool.get_kv_size_bytes())
 
     out = {}
     for kind, label, layers, hd in (("token", TOKEN_LABEL, pattern.count(0), pool_config.head_dim),
@@ -73,19 +75,26 @@ def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
     return out
 
 
-def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype,
-                          entry_format: str | None = None) -> dict[str, dict[str, float]]:
+def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entry_format: str | None = None,
+                          verify_tokens: int = 1) -> dict[str, dict[str, float]]:
     """A token slot's and a window row's bytes split by what they hold; ``v_column`` is the one-column V buffer
-    SGLang allocates per layer and nothing uses. Coded (fp8) entries count their bytes."""
+    SGLang allocates per layer and nothing uses. Coded (fp8) entries count their bytes; the CSA compressor ring
+    counts ``ring_period / page`` of a row per window row."""
     size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, dict[str, int]] = {"token": {}, "window": {}}
 
     def add(row: str, kind: str, cols: int) -> None:
         kinds[row][kind] = kinds[row].get(kind, 0) + cols * size
 
-    for layout in model_layouts(cfg):
+    window_layouts, ring_layouts = paged_layouts(cfg)
+    page = state_page_size(cfg)
+    for layout in window_layouts:
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w)
+    share = ring_period(cfg, page, verify_tokens) / page
+    for layout in ring_layouts:
+        for piece, (_, w) in layout.pieces.items():
+            add("window", KIND_OF_PIECE[piece], w * share)
     for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))
@@ -147,8 +156,8 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     pool's; ``entry_format``: fp8 entries (``--kv-cache-dtype fp8_e4m3``)."""
     cfg, pool_config = DSV4Config.from_dict(raw), sglang_config(raw, entry_format, dtype.itemsize)
     context_len = context_len or cfg.max_position_embeddings
-    row = measured_bytes_per_row(cfg, pool_config, dtype, entry_format)
-    kinds = bytes_per_row_by_kind(cfg, pool_config, dtype, entry_format)
+    row = measured_bytes_per_row(cfg, pool_config, dtype, entry_format, draft_tokens)
+    kinds = bytes_per_row_by_kind(cfg, pool_config, dtype, entry_format, draft_tokens)
     for kind in ("token", "window"):
         if abs(sum(kinds[kind].values()) - row[kind]) > 1e-6:
             raise AssertionError(f"the split of a {kind} row ({sum(kinds[kind].values())} B) is not the pool's "

@@ -64,14 +64,14 @@ class Attention(nn.Module):
         # 1) own rows only
         store.write(layer, "k", fb.out_slots, k)
         if self.compressor is not None:
-            self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
+            own = self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
         if self.indexer is not None:
-            self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
+            own_index = self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
         # 2) entries of block-closing queries
         if self.compressor is not None:
-            self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry")
+            self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry", own)
         if self.indexer is not None:
-            self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry")
+            self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry", own_index)
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
         win_slots = fb.memo(("window", W), lambda: fb.table.lookup(
             fb.positions[:, None] - torch.arange(W - 1, -1, -1, device=x.device)))

@@ -12,7 +12,10 @@ token computes entry ``e`` and stores it in its own slot:
 
 Then RMSNorm (``norm``) and RoPE (compress table) at position ``r*e``. The rows of the window are gathered through
 the closing query's slot table, so for a draft-tree node they are its ancestors' rows -- the only thing that makes
-siblings' versions of the same entry differ -- and for positions before the tree the committed rows.
+siblings' versions of the same entry differ -- and for positions before the tree the committed rows. Where the
+rows live in a ring of a few per page (``SlotStore``, SGLang's pool), a longer prefill chunk overwrites its own
+earlier rows, so the rows a forward wrote itself are taken from its own values (cast to the store's dtype: the
+same numbers a later forward reads back).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import nn
 
 from .norm import RMSNorm
 from .rope import Rope
-from .storage import ForwardBatch, SlotStore
+from .storage import ForwardBatch, SlotStore, find
 
 
 class Compressor(nn.Module):
@@ -35,13 +38,21 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(d, eps)
 
-    def write_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, kv: str, score: str):
-        store.write(layer, kv, fb.out_slots, self.wkv(x))
-        store.write(layer, score, fb.out_slots, self.wgate(x))
+    def write_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, kv: str,
+                   score: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store every query's kv and score rows; returns them (``close_blocks`` reads its own from them)."""
+        kv_rows, score_rows = self.wkv(x), self.wgate(x)
+        slots = fb.out_slots
+        if store.in_ring(layer, kv):
+            slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
+        store.write(layer, kv, slots, kv_rows)
+        store.write(layer, score, slots, score_rows)
+        return kv_rows, score_rows
 
     def close_blocks(self, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope, kv: str, score: str,
-                     entry: str) -> None:
-        """Compute and store the entries of the queries that close a block (rows must already be written)."""
+                     entry: str, own: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Compute and store the entries of the queries that close a block (rows already written; ``own``: what
+        ``write_rows`` returned)."""
         r, d = self.ratio, self.d
         span = 2 * r if self.overlap else r
         closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
@@ -55,14 +66,32 @@ class Compressor(nn.Module):
             col_off, ape = torch.zeros(r, dtype=torch.long, device=p.device), self.ape
         cos, sin = rope.cos_sin(((p + 1) // r - 1) * r)  # RoPE at the entry's first position
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
-        rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
-        ent = ops.compress_entries(store.view(layer, kv), store.view(layer, score), rows, col_off, ape,
+        if store.in_ring(layer, kv):
+            kv_src, score_src, rows = _own_or_stored(fb, store, layer, (kv, score), slots, own, span)
+        else:
+            kv_src, score_src = store.view(layer, kv), store.view(layer, score)
+            rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
+        ent = ops.compress_entries(kv_src, score_src, rows, col_off, ape,
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
         out = fb.entry_out_slots[closers]
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
             store.write_kept(layer, entry, out, ent, closes)
         else:
             store.write(layer, entry, out, ent)
+
+
+def _own_or_stored(fb: ForwardBatch, store: SlotStore, layer: int, pieces: tuple[str, str], slots: torch.Tensor,
+                   own: tuple[torch.Tensor, torch.Tensor], span: int):
+    """The closers' window rows of ``pieces`` gathered into ``[Nc * span, width]`` tensors (a row written by this
+    forward from its own values, any other from the store) and their rows in them (``-1``: none)."""
+    hit, query = fb.memo(("own_rows", span), lambda: find(fb.out_slots, slots))
+    hit = hit & (slots >= 0)
+    gathered = []
+    for piece, values in zip(pieces, own):
+        stored = store.read(layer, piece, slots)
+        gathered.append(torch.where(hit[..., None], values.to(stored.dtype)[query], stored).flatten(0, 1))
+    rows = torch.where(slots >= 0, torch.arange(slots.numel(), device=slots.device).view_as(slots), -1)
+    return gathered[0], gathered[1], rows
 
 
 def _closer_rows(fb: ForwardBatch, r: int,

@@ -1,8 +1,9 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
 SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
-target layer's window row (window key, compressor rows; see ``storage``), the last block's streams before the HC
-head (the MTP's hidden input, needed again when the MTP catches up) and the MTP layer's row;
+target layer's window row (window key, HCA compressor rows; see ``storage``; the CSA compressor rows are in the
+window sub-pool's ring buffers), the last block's streams before the HC head (the MTP's hidden input, needed again
+when the MTP catches up) and the MTP layer's row;
 entry layers hold one row per block of each compressed layer's ratio (pages are whole blocks, so a slot's block
 row is ``slot // r``) and the draft trees' scratch. Everything per token therefore lives in SGLang's own KV
 buffers, so its allocator, SWA eviction and radix cache carry all of it; its accepted-token move
@@ -29,8 +30,8 @@ from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
 from .sglang_pool import entry_ratios, window_layer_widths
-from .storage import (SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_layouts, model_token_layouts,
-                      mtp_layouts, streams_layouts)
+from .storage import (SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts, mtp_layouts,
+                      paged_layouts, streams_layouts)
 from .weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -156,8 +157,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
     # --- storage over SGLang's KV pool ---------------------------------------------------------------------
     def stores(self) -> tuple[SlotStore, SlotStore | None, SlotStore]:
         """(target store, MTP store, streams store), views over the hybrid pool's K buffers (window layers first,
-        then one entry layer per compressed layer: a row per block, then tree scratch) with SGLang's full-to-SWA
-        mapping as the window index."""
+        then one entry layer per compressed layer: a row per block, then tree scratch) and the window sub-pool's
+        ring buffers (the CSA compressor rows), with SGLang's full-to-SWA mapping as the window index."""
         if self._stores is None:
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
@@ -170,8 +171,12 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             token = [next(token_iter) if lay.width else window[0][:, :0] for lay in token_lays]
             common = dict(window_index=pool.full_to_swa_index_mapping)
             num_slots = pool.size + pool.page_size
-            target = SlotStore(model_layouts(cfg), num_slots, buffers=window[:n], token_layouts=token_lays,
-                               token_buffers=token, entry_ratios=entry_ratios(cfg), **common)
+            window_lays, ring_lays = paged_layouts(cfg)
+            swa = pool.swa_kv_pool
+            target = SlotStore(window_lays, num_slots, buffers=window[:n], token_layouts=token_lays,
+                               token_buffers=token, entry_ratios=entry_ratios(cfg), ring_layouts=ring_lays,
+                               ring_buffers=swa.ring_buffers, ring_period=swa.ring_period, page=pool.page_size,
+                               **common)
             streams = SlotStore(streams_layouts(cfg), num_slots, buffers=[window[n]], **common)
             # The MTP layers' rows past the target layers' are its draft scratch (``sglang_pool``).
             mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common,

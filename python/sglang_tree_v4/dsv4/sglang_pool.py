@@ -9,6 +9,12 @@ that its scheduler frees once the position falls out of the window, while its ra
 last window (and matches a prefix only where that window is still there). Allocation, eviction and the radix cache
 are SGLang's; this module only names the layers and carves the buffers.
 
+CSA compressor rows: a block-closing query reads them ``2r - 1 = 7`` positions back, so the window sub-pool keeps
+them in ring buffers of ``ring_period`` rows per page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``)
+beside the window layers: a page's ring rows live and die with the page (radix cache and eviction included), its
+last positions' rows stay for the next page and a radix match at its end, and the accepted-token move carries them.
+At V4-Flash they were 107,520 of a window row's 226,394 bytes.
+
 Entries: SGLang's pages are whole blocks of every ratio (``state_page_size``), and a paged allocator puts position
 ``p`` of a request at an offset ``p mod page`` of one of its pages, so the block of a slot is ``slot // r`` and the
 "full" half of the pool needs no per-token row at all: each compressed layer keeps one row per block of the slot
@@ -36,7 +42,8 @@ import torch
 
 from .config import DSV4Config
 from .mtp import draft_scratch_rows
-from .storage import entry_layer_rows, model_layouts, model_token_layouts, mtp_layouts, streams_layouts
+from .storage import (entry_layer_rows, model_token_layouts, mtp_layouts, paged_layouts, ring_period, ring_rows,
+                      streams_layouts)
 
 logger = logging.getLogger(__name__)
 V_COLUMNS = 1  # the V buffer SGLang always allocates; nothing is stored in it
@@ -44,8 +51,21 @@ WINDOW_LABEL, TOKEN_LABEL = "SWA", "Full"  # SGLang's allocation labels of the t
 
 
 def window_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Window-row layers: the target layers, the streams, the MTP layers."""
-    return [lay.width for lay in model_layouts(cfg) + streams_layouts(cfg) + mtp_layouts(cfg)]
+    """Window-row layers: the target layers (without the CSA compressor rows), the streams, the MTP layers."""
+    return [lay.width for lay in paged_layouts(cfg)[0] + streams_layouts(cfg) + mtp_layouts(cfg)]
+
+
+def ring_layer_widths(cfg: DSV4Config) -> list[int]:
+    """Ring-row width of every target layer (a CSA layer's compressor rows; 0 elsewhere)."""
+    return [lay.width for lay in paged_layouts(cfg)[1]]
+
+
+def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int) -> int:
+    """The window sub-pool's ``head_dim`` SGLang sizes it with (``pool_head_dim``): the window layers' mean width
+    plus the ring rows' columns per window row (``ring_period / page`` of a row per CSA layer)."""
+    window, ring = window_layer_widths(cfg), ring_layer_widths(cfg)
+    period = ring_period(cfg, page, draft_tokens)
+    return pool_head_dim([w + (sum(ring) * period / page if i == 0 else 0) for i, w in enumerate(window)])
 
 
 def token_layer_widths(cfg: DSV4Config, entry_format: str | None = None) -> list[int]:
@@ -93,11 +113,10 @@ def pool_head_dim(widths: list[float]) -> int:
     return math.ceil(sum(widths) / len(widths))
 
 
-def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
-    """Tree scratch rows: per entry layer every running request's D draft nodes, per MTP layer its K (S - 1) draft
-    nodes past the root (``mtp_drafter``); none without TREE_V4. The resolved speculative settings come from
-    SGLang's runtime context where it has them (its server arguments can still hold the user's unset values, e.g.
-    no D for the adaptive budget)."""
+def tree_shape_of(server_args) -> dict[str, int] | None:
+    """TREE_V4's resolved (D, K, S) as SGLang's flag names, None without TREE_V4. They come from SGLang's runtime
+    context where it has them (its server arguments can still hold the user's unset values, e.g. no D for the
+    adaptive budget)."""
     spec = server_args
     try:
         from sglang.srt.runtime_context import get_spec
@@ -107,12 +126,27 @@ def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
         pass
     algorithm = getattr(spec, "speculative_algorithm", None) or getattr(server_args, "speculative_algorithm", None)
     if "TREE_V4" not in str(getattr(algorithm, "name", algorithm)):
-        return 0, 0
+        return None
     shape = {}
     for name in ("speculative_num_draft_tokens", "speculative_eagle_topk", "speculative_num_steps"):
         shape[name] = getattr(spec, name, None) or getattr(server_args, name, None)
         if not shape[name]:
             raise ValueError(f"TREE_V4's pool needs the resolved --{name.replace('_', '-')} to size its scratch")
+    return shape
+
+
+def verify_tokens_of(server_args) -> int:
+    """Tokens a request's forward writes beyond its committed length: TREE_V4's D, else 1."""
+    shape = tree_shape_of(server_args)
+    return shape["speculative_num_draft_tokens"] if shape else 1
+
+
+def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
+    """Tree scratch rows: per entry layer every running request's D draft nodes, per MTP layer its K (S - 1) draft
+    nodes past the root (``mtp_drafter``); none without TREE_V4."""
+    shape = tree_shape_of(server_args)
+    if shape is None:
+        return 0, 0
     requests = max_requests or server_args.max_running_requests or 0
     return (requests * shape["speculative_num_draft_tokens"],
             requests * draft_scratch_rows(shape["speculative_eagle_topk"], shape["speculative_num_steps"]))
@@ -131,13 +165,16 @@ def retained_window(cfg: DSV4Config) -> int:
 
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
                      scratch_rows: int, entry_format: str | None = None,
-                     window_scratch_rows: list[int] | None = None) -> type:
+                     window_scratch_rows: list[int] | None = None, ring_widths: list[int] | None = None,
+                     ring_period_of=None) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
     has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows, window layer ``i`` a row per
-    slot and then ``window_scratch_rows[i]`` (the MTP's draft scratch). With an ``entry_format`` (fp8) the entry
-    layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers keep the pool's
-    dtype."""
+    slot and then ``window_scratch_rows[i]`` (the MTP's draft scratch). The window sub-pool also keeps
+    ``ring_buffers``, one per target layer ``ring_widths[i]`` wide, of ``ring_period_of(page)`` rows per page
+    (``ring_period``; ``storage.SlotStore``'s ring rows), moved with their window rows. With an ``entry_format``
+    (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
+    keep the pool's dtype."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -175,20 +212,38 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                 logger.info("TREE_V4 MTP draft scratch: %d window rows per MTP layer", max(window_scratch_rows))
             self.entry_format = entry_format
             dtype = torch.uint8 if entries and entry_format else self.store_dtype
+            ring = [] if entries else list(ring_widths or [])
+            self.ring_period = ring_period_of(self.page_size) if any(ring) else None
+            ring_rows = slots // self.page_size * self.ring_period if self.ring_period else 0
+            if any(ring):
+                logger.info("TREE_V4 CSA compressor rows: %d per page of %d window rows", self.ring_period,
+                            self.page_size)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
                 self.k_buffer = [torch.zeros((n, 1, w), dtype=dtype, device=self.device)
                                  for n, w in zip(rows, widths)]
                 self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
+                self.ring_buffers = [torch.zeros((ring_rows, w), dtype=self.store_dtype, device=self.device)
+                                     for w in ring]
             self.use_native_move_kv_cache = True
             self._kv_buffer_descs = self._build_kv_buffer_descs()
             self._init_data_ptrs_and_strides()
 
         def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
-            """Window rows move with their slots; entry rows are per block, and the worker copies accepted entries
-            out of the tree scratch itself (``commit_tree_entries``)."""
-            if self.allocation_label != TOKEN_LABEL:
-                super().move_kv_cache(tgt_loc, src_loc)
+            """Window rows (``tgt_loc``, ``src_loc``: window rows here) and their ring rows move with their slots;
+            entry rows are per block, and the worker copies accepted entries out of the tree scratch itself
+            (``commit_tree_entries``)."""
+            if self.allocation_label == TOKEN_LABEL:
+                return
+            super().move_kv_cache(tgt_loc, src_loc)
+            if self.ring_period:
+                tgt, src = (ring_rows(loc.long(), self.page_size, self.ring_period) for loc in (tgt_loc, src_loc))
+                for b in self.ring_buffers:
+                    b[tgt] = b[src]
+
+        def get_kv_size_bytes(self):
+            k, v = super().get_kv_size_bytes()
+            return k + sum(b.numel() * b.element_size() for b in getattr(self, "ring_buffers", [])), v
 
         def _build_kv_buffer_descs(self):
             return [KvBufferDesc(f"{prefix}{i}", tuple(b.shape), row_bytes=b[0].numel() * b.element_size(),
@@ -199,9 +254,11 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
 
 
 def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format: str | None = None,
-                           mtp_scratch_rows: int = 0) -> type:
-    """``scratch_rows`` per entry layer, ``mtp_scratch_rows`` per MTP layer (``scratch_rows_of``)."""
+                           mtp_scratch_rows: int = 0, verify_tokens: int = 1) -> type:
+    """``scratch_rows`` per entry layer, ``mtp_scratch_rows`` per MTP layer (``scratch_rows_of``); ``verify_tokens``
+    a request's forward writes past its committed length (``verify_tokens_of``) sizes the CSA ring."""
     mtp = len(mtp_layouts(cfg))
     window = [0] * (len(window_layer_widths(cfg)) - mtp) + [mtp_scratch_rows] * mtp
     return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg, entry_format), token_layer_ratios(cfg),
-                            scratch_rows, entry_format, window)
+                            scratch_rows, entry_format, window, ring_layer_widths(cfg),
+                            lambda page: ring_period(cfg, page, verify_tokens))

@@ -7,7 +7,8 @@ it produced (for CSA also the index key). A layer's pieces are column ranges of 
 they are read: *window rows* (keys and compressor rows: only the last window of positions) and *token rows*
 (entries: for ever). SGLang's hybrid sliding-window pool holds the two kinds (``sglang_pool``) and frees window
 rows that fall out of the window; there the entries are kept one row per block instead of one per slot (pages
-are whole blocks, see ``SlotStore``), with a scratch area for draft-tree nodes.
+are whole blocks, see ``SlotStore``), with a scratch area for draft-tree nodes, and a CSA layer's compressor rows
+(read at most ``2r - 1`` positions back) in a third kind, *ring rows*: a few per page of window rows.
 
 Consequences (the reason for this layout):
 
@@ -89,6 +90,30 @@ def model_layouts(cfg: DSV4Config) -> list[LayerLayout]:
     return [layer_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
 
 
+RING_PIECES = ("ckv", "cscore", "ikv", "iscore")  # a CSA layer's compressor rows: read at most 2r - 1 positions back
+
+
+def paged_layouts(cfg: DSV4Config) -> tuple[list[LayerLayout], list[LayerLayout]]:
+    """``model_layouts`` split for SGLang's paged pool: (window rows without the CSA compressor rows, the CSA
+    compressor rows), the latter kept in a ring of a few rows per page (``SlotStore``'s ``ring_period``)."""
+    window, ring = [], []
+    for i, lay in enumerate(model_layouts(cfg)):
+        in_ring = cfg.layer_type(i) == CSA
+        pieces = [(n, w) for n, (_, w) in lay.pieces.items()]
+        window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)]))
+        ring.append(LayerLayout.of([(n, w) for n, w in pieces if in_ring and n in RING_PIECES]))
+    return window, ring
+
+
+def ring_period(cfg: DSV4Config, page: int, draft_tokens: int) -> int:
+    """Ring rows per page for the CSA compressor rows: the smallest divisor of ``page`` that holds a block-closing
+    query's span of committed rows (``2r - 1`` positions back) together with the ``draft_tokens`` rows a verify
+    forward writes after them, so that no node's row lands on a committed row still to be read. ``page`` itself
+    (a row per slot) where nothing smaller does."""
+    need = 2 * cfg.csa_ratio - 1 + max(draft_tokens, 1)
+    return next(d for d in range(1, page + 1) if page % d == 0 and d >= min(need, page))
+
+
 def model_token_layouts(cfg: DSV4Config, entry_format: str | None = None) -> list[LayerLayout]:
     return [token_layout(cfg, cfg.layer_type(i), entry_format) for i in range(cfg.num_layers)]
 
@@ -125,6 +150,14 @@ class SlotStore:
     ``window_scratch_rows`` window rows after the slots' (the MTP's draft-tree scratch, ``mtp_drafter``) are
     addressed by ``-2 - j`` for scratch row ``j``: a draft node's row that no slot owns and no step outlives.
 
+    **Ring rows** (``ring_layouts``, ``ring_buffers``; SGLang's paged pool, ``paged_layouts``): a CSA layer's
+    compressor rows are read at most ``2r - 1`` positions back, so a page of window rows keeps only
+    ``ring_period`` of them: window row ``w`` is ring row ``(w // page) * ring_period + w % ring_period``. A page's
+    last ``ring_period`` positions stay (what the next page's first blocks and a radix match at the page's end read);
+    a later position of the same page overwrites an earlier one, so a forward reads the rows it wrote itself from
+    its own values (``Compressor``) and writes only the last of those sharing a ring row (``ring_write_slots``).
+    Without a ``ring_period`` ring rows are window rows (one per slot).
+
     ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
     ``buffers`` may be supplied by the caller (views of an SGLang KV pool); otherwise zeros. Writes are in place
     unless autograd needs the written values (training), in which case the buffer is replaced out of place so
@@ -135,9 +168,13 @@ class SlotStore:
                  device: torch.device | str = "cpu", buffers: list[torch.Tensor] | None = None,
                  token_layouts: list[LayerLayout] | None = None, token_buffers: list[torch.Tensor] | None = None,
                  window_index: torch.Tensor | None = None, entry_ratios: list[int] | None = None,
-                 scratch_rows: int = 0, window_scratch_rows: int = 0):
+                 scratch_rows: int = 0, window_scratch_rows: int = 0,
+                 ring_layouts: list[LayerLayout] | None = None, ring_buffers: list[torch.Tensor] | None = None,
+                 ring_period: int | None = None, page: int | None = None):
         self.layouts = layouts
         self.token_layouts = token_layouts or [LayerLayout.of([]) for _ in layouts]
+        self.ring_layouts = ring_layouts or [LayerLayout.of([]) for _ in layouts]
+        self.ring_period, self.page = (ring_period, page) if ring_period and ring_period < (page or 0) else (None, None)
         self.num_slots = num_slots
         if buffers is None:
             buffers = [torch.zeros(num_slots + window_scratch_rows, lay.width, dtype=dtype, device=device)
@@ -147,12 +184,19 @@ class SlotStore:
             token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
                                          lay.width, dtype=torch.uint8 if lay.codecs else dt, device=dev)
                              for i, lay in enumerate(self.token_layouts)]
-        for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts)):
+        if ring_buffers is None:
+            dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
+            rows = num_slots // page * ring_period if self.ring_period else (
+                buffers[0].shape[0] - window_scratch_rows if buffers else num_slots)  # a row per window row
+            ring_buffers = [torch.zeros(rows, lay.width, dtype=dt, device=dev) for lay in self.ring_layouts]
+        for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts),
+                                 ("ring", ring_buffers, self.ring_layouts)):
             for i, (b, lay) in enumerate(zip(bufs, lays)):
                 if b.dim() != 2 or b.shape[1] != lay.width:
                     raise ValueError(f"layer {i}: {kind} buffer shape {tuple(b.shape)} != [rows, {lay.width}]")
         self.buffers = list(buffers)
         self.token_buffers = list(token_buffers)
+        self.ring_buffers = list(ring_buffers)
         self.window_index = window_index
         self.window_scratch_rows = window_scratch_rows
         self.window_scratch_base = buffers[0].shape[0] - window_scratch_rows if buffers else 0
@@ -168,18 +212,41 @@ class SlotStore:
         """The block a token row of ``layer`` stands for: 0 (or 1) for one row per slot."""
         return self._ratio_of(self.entry_ratios, layer)
 
-    def _where(self, layer: int, piece: str) -> tuple[list[torch.Tensor], int, int, bool]:
-        """(buffer list, column offset, width, is a window piece)."""
+    def _where(self, layer: int, piece: str) -> tuple[list[torch.Tensor], int, int, str]:
+        """(buffer list, column offset, width, kind of row: "window", "ring" or "token")."""
         window = self.layouts[layer].pieces.get(piece)
         if window is not None:
-            return self.buffers, *window, True
-        return self.token_buffers, *self.token_layouts[layer].pieces[piece], False
+            return self.buffers, *window, "window"
+        ring = self.ring_layouts[layer].pieces.get(piece)
+        if ring is not None:
+            return self.ring_buffers, *ring, "ring"
+        return self.token_buffers, *self.token_layouts[layer].pieces[piece], "token"
 
     def _codec(self, layer: int, piece: str) -> Fp8Codec | None:
-        return None if piece in self.layouts[layer].pieces else self.token_layouts[layer].codecs.get(piece)
+        return self.token_layouts[layer].codecs.get(piece) if self._where(layer, piece)[3] == "token" else None
 
-    def _rows(self, layer: int, slots: torch.Tensor, window: bool) -> torch.Tensor:
-        return self._window_rows(slots) if window else self._token_rows(layer, slots)
+    def _rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "token":
+            return self._token_rows(layer, slots)
+        rows = self._window_rows(slots)
+        if kind == "ring" and self.ring_period:
+            rows = ring_rows(rows, self.page, self.ring_period)
+        return rows
+
+    def in_ring(self, layer: int, piece: str) -> bool:
+        """Whether ``piece`` lives in ring rows (a forward must read its own rows of it from its own values)."""
+        return self._where(layer, piece)[3] == "ring" and self.ring_period is not None
+
+    def ring_write_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` a forward writes its ring rows at: those of a slot whose ring row a later position of the
+        same forward (same page, ``ring_period`` on) also writes become 0 -- SGLang's padding slot, whose rows
+        nothing reads -- so every ring row has one writer (the rows a forward wrote over are read from its own
+        values, ``Compressor``)."""
+        if self.ring_period is None:
+            return slots
+        later = slots + self.ring_period
+        same_page = slots % self.page + self.ring_period < self.page
+        return torch.where((slots > 0) & same_page & find(slots, later)[0], 0, slots)
 
     def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Window rows of token ``slots`` (``-1`` stays ``-1``; ``-2 - j`` is window scratch row ``j``)."""
@@ -211,8 +278,8 @@ class SlotStore:
 
     def _write_stored(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write what the buffer holds (a codec's bytes for a coded piece)."""
-        bufs, off, w, window = self._where(layer, piece)
-        rows = self._rows(layer, slots, window)
+        bufs, off, w, kind = self._where(layer, piece)
+        rows = self._rows(layer, slots, kind)
         buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
             cols = torch.arange(off, off + w, device=buf.device)
@@ -228,7 +295,7 @@ class SlotStore:
         SGLang's padding slot, never read -- instead."""
         codec = self._codec(layer, piece)
         stored = (values if codec is None else codec.encode(values)).to(self.view(layer, piece).dtype)
-        if self._where(layer, piece)[3] or self._ratio(layer) <= 1:
+        if self._where(layer, piece)[3] != "token" or self._ratio(layer) <= 1:
             stored = torch.where(keep[:, None], stored, self._read_stored(layer, piece, slots))
         else:
             slots = torch.where(keep, slots, 0)
@@ -241,8 +308,8 @@ class SlotStore:
         return got if codec is None else codec.decode(got)
 
     def _read_stored(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
-        bufs, off, w, window = self._where(layer, piece)
-        rows = self._rows(layer, slots, window)
+        bufs, off, w, kind = self._where(layer, piece)
+        rows = self._rows(layer, slots, kind)
         got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
         return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
 
@@ -267,6 +334,9 @@ class SlotStore:
         s, d = self._window_rows(src), self._window_rows(dst)
         for b in self.buffers:
             b[d] = b[s]
+        s, d = self._rows(0, src, "ring"), self._rows(0, dst, "ring")
+        for b in self.ring_buffers:
+            b[d] = b[s]
         for b in self.token_buffers:
             b[dst] = b[src]
 
@@ -285,13 +355,15 @@ class SlotStore:
             buf[d] = buf[s]
 
     def all_buffers(self) -> list[torch.Tensor]:
-        return self.buffers + self.token_buffers
+        """Window, token, then (where a layer has any) ring buffers."""
+        return self.buffers + self.token_buffers + [b for b in self.ring_buffers if b.shape[1]]
 
     def rows(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        """Window rows then token rows at ``slots``, every layer (copies)."""
-        w = self._window_rows(slots)
-        return [b[w].clone() for b in self.buffers] + [b[self._token_rows(i, slots)].clone()
-                                                       for i, b in enumerate(self.token_buffers)]
+        """Window, token, then ring rows at ``slots``, every layer (copies), as ``all_buffers``."""
+        w, r = self._window_rows(slots), self._rows(0, slots, "ring")
+        return ([b[w].clone() for b in self.buffers]
+                + [b[self._token_rows(i, slots)].clone() for i, b in enumerate(self.token_buffers)]
+                + [b[r].clone() for b in self.ring_buffers if b.shape[1]])
 
     def checksum(self, slots: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Exact fingerprint per buffer (a float64 sum of the bit patterns), for isolation checks."""
@@ -301,6 +373,21 @@ class SlotStore:
             w = torch.arange(1, bits.numel() + 1, dtype=torch.float64, device=x.device).view_as(bits)
             out.append(torch.stack([bits.sum(), (bits * w).sum()]))
         return out
+
+
+def ring_rows(window_rows: torch.Tensor, page: int, period: int) -> torch.Tensor:
+    """Ring row of each window row (``SlotStore`` doc; ``-1`` stays ``-1``)."""
+    return torch.where(window_rows >= 0, window_rows // page * period + window_rows % period, -1)
+
+
+def find(values: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each of ``queries`` (any shape) is one of ``values`` (1-D), an index of it in ``values``), with
+    fixed shapes (no host sync)."""
+    if values.numel() == 0:
+        return torch.zeros_like(queries, dtype=torch.bool), torch.zeros_like(queries)
+    ordered, order = values.sort()
+    at = torch.searchsorted(ordered, queries.contiguous()).clamp(max=values.numel() - 1)
+    return ordered[at] == queries, order[at]
 
 
 def entry_layer_rows(num_slots: int, ratio: int, scratch_rows: int) -> int:

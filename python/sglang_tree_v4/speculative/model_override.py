@@ -51,7 +51,8 @@ def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1)
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
         head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg, entry_format, itemsize)), v_head_dim=sp.V_COLUMNS,
-        swa_head_dim=sp.pool_head_dim(window), swa_v_head_dim=sp.V_COLUMNS, swa_num_key_value_heads=1,
+        swa_head_dim=sp.swa_head_dim(cfg, sp.state_page_size(cfg), 1), swa_v_head_dim=sp.V_COLUMNS,
+        swa_num_key_value_heads=1,
         is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
         sliding_window=sp.retained_window(cfg),
         max_position_embeddings=raw.get("max_position_embeddings", cfg.max_position_embeddings),
@@ -101,15 +102,16 @@ def state_pool(original, configurator, *args, **kwargs):
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
     from ..dsv4.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
-    from ..dsv4.sglang_pool import model_state_pool_class, scratch_rows_of
+    from ..dsv4.sglang_pool import model_state_pool_class, scratch_rows_of, verify_tokens_of
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
-    scratch, mtp_scratch = scratch_rows_of(getattr(configurator, "server_args", None),
-                                           _max_requests.get(id(configurator)))
+    server_args = getattr(configurator, "server_args", None)
+    scratch, mtp_scratch = scratch_rows_of(server_args, _max_requests.get(id(configurator)))
     entry_format = getattr(configurator.model_config.hf_config, ENTRY_FORMAT_ATTR, None)
-    return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format, mtp_scratch)
+    return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format, mtp_scratch,
+                                  verify_tokens_of(server_args))
 
 
 def entry_dtype(original, runner, *args, **kwargs):
@@ -117,7 +119,9 @@ def entry_dtype(original, runner, *args, **kwargs):
     its compressed entries as upstream's fp8 bytes (``entry_codec.entry_codecs``) and everything else -- window keys,
     compressor rows, the MTP's streams -- in the model's dtype. So SGLang builds and sizes a pool of the model's
     dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the full sub-pool's ``head_dim``), and
-    our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag."""
+    our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag.
+    Here, where the page size and TREE_V4's D are known, the window sub-pool's ``head_dim`` also gets the CSA
+    compressor ring's share (``sglang_pool.swa_head_dim``)."""
     import torch
 
     from ..dsv4 import sglang_pool as sp
@@ -129,6 +133,9 @@ def entry_dtype(original, runner, *args, **kwargs):
     raw = getattr(hf_config, RAW_CONFIG_ATTR, None)
     if raw is None:
         return out
+    cfg = DSV4Config.from_dict(raw)  # the window sub-pool's width with the CSA ring the server will build
+    runner.model_config.swa_head_dim = sp.swa_head_dim(cfg, runner.server_args.page_size or sp.state_page_size(cfg),
+                                                       sp.verify_tokens_of(runner.server_args))
     kv, entry_format = runner.kv_cache_dtype, None
     if kv.itemsize == 1 or "float4" in str(kv):
         if kv != torch.float8_e4m3fn:
@@ -138,7 +145,7 @@ def entry_dtype(original, runner, *args, **kwargs):
         entry_format = "fp8_e4m3"
         runner.kv_cache_dtype, runner.kv_cache_dtype_str = runner.dtype, "auto"
         runner.model_config.head_dim = sp.pool_head_dim(
-            sp.token_columns_per_slot(DSV4Config.from_dict(raw), entry_format, runner.dtype.itemsize))
+            sp.token_columns_per_slot(cfg, entry_format, runner.dtype.itemsize))
         logger.info("TREE_V4 DeepSeek-V4 state: compressed entries as %s, window rows in %s", entry_format,
                     runner.dtype)
     setattr(hf_config, ENTRY_FORMAT_ATTR, entry_format)

@@ -11,6 +11,8 @@ after it is first imported, before anyone binds its names. The product code carr
   (each acceptance coin lowered by 0.02).
 * ``short_window``: SGLang is told to keep one page of window rows less than the state reads
   (``sglang_pool.retained_window``).
+* ``ring_stored_only``: a block-closing query reads every CSA compressor row from the ring, none from its own
+  forward's values, so a prefill that wraps its ring pools rows it overwrote (``compressor``).
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), so a test sees every switch the policy could ever make; ``never_speculate`` makes it
@@ -71,6 +73,13 @@ def _short_window(pool) -> None:
     pool.retained_window = retained_window
 
 
+def _ring_stored_only(compressor) -> None:
+    def find(values, queries):
+        return compressor.torch.zeros_like(queries, dtype=compressor.torch.bool), compressor.torch.zeros_like(queries)
+
+    compressor.find = find
+
+
 def _cycle_shapes(adaptive) -> None:
     def choose(self, batch):
         self.steps += 1
@@ -88,6 +97,7 @@ PATCHES = {
     "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
     "short_window": ("sglang_tree_v4.dsv4.sglang_pool", _short_window),
+    "ring_stored_only": ("sglang_tree_v4.dsv4.compressor", _ring_stored_only),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
     "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
 }
