@@ -12,10 +12,10 @@ import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store
+from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store, new_streams_store
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
-from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter
+from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter, catch_up, catch_up_start, mtp_window_from
 from sglang_tree_v4.tree import build_draft_tree
 from support.tiny_v4 import randomize, tiny_config
 
@@ -108,3 +108,47 @@ def test_drafter_refuses_a_store_without_room_for_its_scratch():
         MTPTreeDrafter(model, store, table, torch.tensor([3, 3]), K, S)
     MTPTreeDrafter(model, new_mtp_store(model.cfg, 64, scratch_rows=2 * K * (S - 1)), table, torch.tensor([3, 3]),
                    K, S)
+
+
+def test_where_a_catch_up_starts():
+    """Right after a prefill the MTP catches up on the prompt's last window (16 here); after a round, on what it
+    accepted; after more than D steps without speculation (or none since the prefill), on the last D only."""
+    assert catch_up_start(0, 37, 37, 16, 8) == (21, False)
+    assert catch_up_start(0, 37, 38, 16, 8) == (22, False)
+    assert catch_up_start(40, 37, 45, 16, 8) == (40, False)
+    assert catch_up_start(40, 37, 48, 16, 8) == (40, False)
+    assert catch_up_start(40, 37, 60, 16, 8) == (52, True)
+    assert catch_up_start(0, 37, 60, 16, 8) == (52, True)
+    table = torch.arange(12).view(2, 6)
+    assert torch.equal(mtp_window_from(table, [0, 0]), table)
+    assert mtp_window_from(table, [2, 0]).tolist() == [[-1, -1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+
+
+@torch.no_grad()
+def test_a_catch_up_after_a_gap_reads_no_row_of_the_gap():
+    """After steps without speculation the MTP catches up on the last D positions only, and its window starts there:
+    whatever the MTP rows of the positions before hold (stale rows of an earlier owner of the slots, here two
+    different fillings), the root draft is the same. Control: with the request's whole table the fillings show."""
+    model = _model()
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = DSV4Runner(model, num_slots=512, max_len=128, max_reqs=4)
+    rid = runner.add_request()
+    out = runner.extend([rid], [prompt])[0]
+    streams = new_streams_store(model.cfg, 512)
+    slots = runner.slots_of(rid)
+    streams.write(0, "h", slots, out.streams.flatten(1))
+    L, bonus = len(prompt), int(out.logits[-1].argmax())
+    start, gap = catch_up_start(0, 20, L, model.cfg.window, D)  # 20 steps without speculation since the prefill
+    assert gap and start == L - D
+
+    def root(table, seed):
+        g = torch.Generator().manual_seed(seed)
+        for layer, buf in enumerate(runner.mtp_store.buffers):
+            rows = runner.mtp_store.index(layer, "k", slots[:start])
+            buf[rows] = torch.randn(len(rows), buf.shape[1], generator=g) * 3
+        return catch_up(model, runner.mtp_store, streams, table, [start], [L], [prompt[start + 1:] + [bonus]])[0]
+
+    masked = mtp_window_from(runner.req_table[rid:rid + 1], [start])
+    assert torch.equal(root(masked, 1), root(masked, 2))
+    whole = runner.req_table[rid:rid + 1]
+    assert not torch.allclose(root(whole, 1), root(whole, 2))

@@ -5,7 +5,9 @@ Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the c
 ``L`` with root (bonus) token ``b`` at position ``L``:
 
 * ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
-  the target's streams from their slots. Its last query is the root's draft: children logits and hidden.
+  the target's streams from their slots. Its last query is the root's draft: children logits and hidden. Where it
+  starts: ``catch_up_start`` (at most ``D`` positions back after steps without speculation, the MTP's window then
+  masked below them by ``mtp_window_from``).
   ``catch_up_fixed`` does the same over the last C positions of every request, with shapes fixed by (B, C).
 * draft nodes of depth ``d >= 1`` run at ``L + d - 1``. Their MTP rows are the MTP store's window scratch
   (``SlotStore`` ``window_scratch_rows``: K (S - 1) rows per request of the step, row ``b * K (S - 1) + s - 1`` for
@@ -51,6 +53,28 @@ def catch_up_fixed(model, mtp_store: SlotStore, streams: SlotStore, req_table: t
     query_req = torch.arange(B, device=device).repeat_interleave(C)
     last = torch.arange(B, device=device) * C + C - 1
     return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_tokens.flatten(), last)
+
+
+def catch_up_start(mtp_len: int, prefill_len: int, L: int, window: int, cap: int) -> tuple[int, bool]:
+    """Where the MTP's catch-up of a request at committed length ``L`` starts, and whether it leaves a gap.
+
+    Right after a prefill (no MTP rows yet, ``L`` at most ``cap`` past the prompt) it covers the prompt's last
+    window, once per request. Otherwise the positions since ``mtp_len`` -- or, when steps without speculation left
+    more than ``cap`` of them, only the last ``cap``: the MTP's window then starts there (a gap below it is masked,
+    not read as stale rows), which costs its first drafts a little context and spares a catch-up over a whole window
+    whenever speculation resumes (the adaptive budget's explorations among steps without it)."""
+    done = mtp_len or prefill_len
+    if L - done > cap:
+        return L - cap, True
+    return max(mtp_len, L - window, 0), False
+
+
+def mtp_window_from(req_table: torch.Tensor, first: list[int]) -> torch.Tensor:
+    """``req_table`` with every position below request ``b``'s ``first[b]`` unknown (-1): what the MTP may read."""
+    if not any(first):
+        return req_table
+    cols = torch.arange(req_table.shape[1], device=req_table.device)
+    return torch.where(cols[None, :] >= torch.tensor(first, device=req_table.device)[:, None], req_table, -1)
 
 
 def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids,

@@ -2,8 +2,10 @@
 
 A decode round, per batch:
 
-1. the MTP catches up on the positions committed since it last ran (at most one window) and drafts the root's
-   children; ``build_draft_tree`` expands the tree with the MTP over its draft scratch rows (EAGLE-2: top-K frontier, S
+1. the MTP catches up on the positions committed since it last ran and drafts the root's children: after a
+   prefill over the prompt's last window; after steps without speculation over the last D positions only (the
+   positions it skipped before them are masked out of its window, ``mtp_window_from``), so resuming speculation
+   costs a round, not a window's catch-up; ``build_draft_tree`` expands the tree with the MTP over its draft scratch rows (EAGLE-2: top-K frontier, S
    steps, rerank to D nodes);
 2. the target verifies all D nodes of every request in one forward (``TARGET_VERIFY``; our model reads each node's
    ancestry from the tree mask, writes only the node's own verify slot);
@@ -23,7 +25,7 @@ Prefill rounds are plain target forwards.
 
 Without shape flags the budget is adaptive (``adaptive_budget``): before step 1 the worker picks this step's shape
 (D, S), possibly "no speculation" (the root alone is verified, i.e. ordinary decoding, and the MTP skips the step;
-its next catch-up covers the missed positions, at most one window). Outputs keep the server's largest-D layout.
+its next catch-up covers at most the last D positions, step 1). Outputs keep the server's largest-D layout.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
-from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
+from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_start, mtp_window_from
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
 logger = logging.getLogger(__name__)
 ACTIVE: list["TreeV4Worker"] = []  # this scheduler process's worker (read by the server-info hook)
 MTP_LEN_ATTR = "tree_v4_mtp_len"  # per request: positions whose MTP rows are current
+MTP_FROM_ATTR = "tree_v4_mtp_from"  # per request: the first position the MTP's window may read (rows since then)
+PREFILL_LEN_ATTR = "tree_v4_prefill_len"  # per request: its length after its last prefill round
 
 
 def request_score_temperatures(fitted: float, temperatures: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
@@ -143,8 +147,11 @@ class TreeV4Worker(BaseSpecWorker):
 
     # --- prefill -------------------------------------------------------------------------------------------
     def _prefill_round(self, batch, on_publish, pp_proxy_tensors):
-        for req in batch.reqs:  # slots may be new (retraction, radix hit): MTP rows are rebuilt next round
-            setattr(req, MTP_LEN_ATTR, 0)
+        lens = getattr(batch, "seq_lens_cpu", None)
+        for req, L in zip(batch.reqs, (batch.seq_lens if lens is None else lens).tolist()):  # slots may be new (retraction, radix hit): the
+            setattr(req, MTP_LEN_ATTR, 0)                          # MTP rows are rebuilt next round
+            setattr(req, MTP_FROM_ATTR, 0)
+            setattr(req, PREFILL_LEN_ATTR, L)
         self._last_round_end = None  # the next decode round's time must not include this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         bs, D = len(batch.reqs), self.budget.draft_tokens
@@ -169,11 +176,16 @@ class TreeV4Worker(BaseSpecWorker):
         req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
         lens = batch.seq_lens.tolist()
         window = model.cfg.window
-        starts = [max(getattr(req, MTP_LEN_ATTR, 0), L - window, 0) for req, L in zip(batch.reqs, lens)]
-        # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
-        # last D positions; after a prefill or a run of steps without speculation, and on a CPU, only the missing
-        # positions run.
         C = self.budget.draft_tokens
+        starts = []
+        for req, L in zip(batch.reqs, lens):
+            start, gap = catch_up_start(getattr(req, MTP_LEN_ATTR, 0), getattr(req, PREFILL_LEN_ATTR, 0), L, window, C)
+            if gap:
+                setattr(req, MTP_FROM_ATTR, start)
+            starts.append(start)
+        req_table = mtp_window_from(req_table, [getattr(req, MTP_FROM_ATTR, 0) for req in batch.reqs])
+        # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
+        # last D positions; after a prefill, and on a CPU, only the missing positions run.
         fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
         for req, L, start, pending in zip(batch.reqs, lens, starts, self._pending_tokens(batch, lens)):

@@ -15,7 +15,8 @@ after it is first imported, before anyone binds its names. The product code carr
   forward's values, so a prefill that wraps its ring pools rows it overwrote (``compressor``).
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
-speculation" included), so a test sees every switch the policy could ever make; ``never_speculate`` makes it
+speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
+so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; ``never_speculate`` makes it
 choose "no speculation" at every step (what a step that does not speculate costs, ``benchmark/none_step_cost.py``).
 """
 
@@ -83,7 +84,8 @@ def _ring_stored_only(compressor) -> None:
 def _cycle_shapes(adaptive) -> None:
     def choose(self, batch):
         self.steps += 1
-        return self.menu[self.steps % len(self.menu)]
+        cycle = self.menu + [adaptive.NO_SPECULATION] * (max(d for d, _ in self.menu) + 1)
+        return cycle[self.steps % len(cycle)]
 
     adaptive.AdaptivePolicy.choose = choose
 
