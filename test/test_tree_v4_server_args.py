@@ -96,6 +96,17 @@ def test_a_page_that_splits_a_compression_block_is_refused(algorithm):
     assert "--page-size 8" in proc.stdout + proc.stderr and "multiple of 16" in proc.stdout + proc.stderr
 
 
+@pytest.mark.server
+def test_another_speculative_algorithm_is_refused_on_the_cpu():
+    """On a CPU our DeepSeek-V4 serves every request; only the TREE_V4 worker commits what its verify forward leaves
+    in tree scratch, so ``--speculative-algorithm NGRAM`` stops the launcher naming the flag."""
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(EMBEDDED),
+                           "--speculative-algorithm", "NGRAM", "--port", str(srv.free_port())],
+                          env=srv.clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--speculative-algorithm NGRAM" in proc.stdout + proc.stderr
+
+
 def test_default_page_holds_whole_blocks():
     from sglang_tree_v4.dsv4.config import DSV4Config, read_checkpoint_config
     from sglang_tree_v4.dsv4.sglang_pool import check_page_size

@@ -51,6 +51,13 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
         if v4:  # pages of whole compression blocks (``dsv4.sglang_pool``)
             self.page_size = check_page_size(DSV4Config.from_dict(read_checkpoint_config(self.model_path)),
                                              self.page_size)
+        algorithm = getattr(self, "speculative_algorithm", None)
+        algorithm = str(getattr(algorithm, "name", None) or algorithm or "")
+        if v4 and algorithm and "TREE_V4" not in algorithm.upper():
+            # Our model's verify forward needs the TREE_V4 worker: it commits the accepted nodes' compressed
+            # entries and sizes the CSA ring for the verify block; another worker would serve wrong tokens.
+            raise ValueError(f"--speculative-algorithm {algorithm}: DeepSeek-V4 served by sglang-tree-v4 on a CPU "
+                             "speculates with TREE_V4 only (or drop the flag)")
         if (self.tp_size or 1) > 1:
             os.environ.setdefault(THREADS_BIND_ENV, cpu_binding(self.tp_size))
     return original(self, *args, **kwargs)
