@@ -84,14 +84,20 @@ def _own_or_stored(fb: ForwardBatch, store: SlotStore, layer: int, pieces: tuple
                    own: tuple[torch.Tensor, torch.Tensor], span: int):
     """The closers' window rows of ``pieces`` gathered into ``[Nc * span, width]`` tensors (a row written by this
     forward from its own values, any other from the store) and their rows in them (``-1``: none)."""
-    hit, query = fb.memo(("own_rows", span), lambda: find(fb.out_slots, slots))
-    hit = hit & (slots >= 0)
+    hit, query, rows = fb.memo(("own_rows", span), lambda: _own_rows(fb.out_slots, slots))
     gathered = []
     for piece, values in zip(pieces, own):
         stored = store.read(layer, piece, slots)
         gathered.append(torch.where(hit[..., None], values.to(stored.dtype)[query], stored).flatten(0, 1))
-    rows = torch.where(slots >= 0, torch.arange(slots.numel(), device=slots.device).view_as(slots), -1)
     return gathered[0], gathered[1], rows
+
+
+def _own_rows(out_slots: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per forward (the same for every layer): which closer window slots this forward wrote, the query that wrote
+    each, and the rows of the gathered ``[Nc * span, width]`` tensors (``-1``: no position)."""
+    hit, query = find(out_slots, slots)
+    rows = torch.where(slots >= 0, torch.arange(slots.numel(), device=slots.device).view_as(slots), -1)
+    return hit & (slots >= 0), query, rows
 
 
 def _closer_rows(fb: ForwardBatch, r: int,

@@ -182,6 +182,10 @@ class TreeV4Worker(BaseSpecWorker):
             start, gap = catch_up_start(getattr(req, MTP_LEN_ATTR, 0), getattr(req, PREFILL_LEN_ATTR, 0), L, window, C)
             if gap:
                 setattr(req, MTP_FROM_ATTR, start)
+            elif getattr(req, MTP_FROM_ATTR, 0) <= min(start, L - C) - window + 1:
+                # The gap has left every window this round's MTP queries read (the earliest of them runs at
+                # ``start``, or at ``L - C`` with fixed shapes): no mask, so no masked table to build.
+                setattr(req, MTP_FROM_ATTR, 0)
             starts.append(start)
         req_table = mtp_window_from(req_table, [getattr(req, MTP_FROM_ATTR, 0) for req in batch.reqs])
         # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
