@@ -199,9 +199,11 @@ def test_footprint_state_of_the_published_v4_flash_config():
     index key 128) per 4 slots in 21 layers and one HCA entry (512) per 128 in 20, plus one V column per layer:
     6,962 bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the
     widest, 273,754 unpadded, 47,442 with a full entry row per token). A window row holds the rest -- keys (43
-    layers + MTP, 512), HCA compressor rows (2 x 512), the MTP's input streams (4 x 4096), and its share of the CSA
-    compressor ring (2 x 1024 + 2 x 256 in 16 rows per page of 128, the D=8 verify block after a block's 7 rows
-    back: 1/8 of a row per window row; 226,394 bytes per window row when every row kept them) -- and a request holds at most 128 + 128 window rows (SGLang keeps the retained window of 128, a whole page, and
+    layers + MTP, 512), the MTP's input streams (4 x 4096), and its share of the compressor ring: 16 rows per page
+    of 128 (the D=8 verify block after a CSA block's 7 rows back), 1/8 of a row per window row, of the CSA
+    compressor rows (2 x 1024 + 2 x 256) and of the HCA running states (2 x 512, fp32): 101,594 bytes (226,394
+    when every row kept every compressor row, 132,314 with the HCA rows (2 x 512) in every row) -- and a request
+    holds at most 128 + 128 window rows (SGLang keeps the retained window of 128, a whole page, and
     frees every 128 positions, its eviction interval) + 8 for the verify block, 8 + 127 token slots beyond its
     committed tokens (reservation, last page), 8 scratch rows (one entry of every layer per draft node) and 9 MTP
     scratch rows (the K (S - 1) draft nodes past the root). The split by kind adds up; upstream's fp8 layout needs
@@ -215,10 +217,10 @@ def test_footprint_state_of_the_published_v4_flash_config():
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
     token = (21 * (512 + 128) // 4 + 20 * 512 // 128 + 41) * 2
-    window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) * 16 // 128 + 20 * 2 * 512 + 4 * 4096 + 45) * 2
+    window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) * 16 // 128 + 4 * 4096 + 45) * 2 + 20 * 2 * 512 * 4 // 8
     scratch_row = (21 * (512 + 128) + 20 * 512) * 2
     mtp_scratch = 3 * 3 * 512 * 2  # K (S - 1) rows of the MTP layer's window key
-    assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row == 132_314
+    assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row == 101_594
     assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row + mtp_scratch
     assert r["draft_tree_slots_per_request"] == 8  # the default D=8 K=3 S=4 tree's verify block
     assert r["window_rows_per_request"] == 128 + 128 + 8
@@ -241,7 +243,7 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert fp8["window_row_bytes"] == window_row and fp8["kv_cache_dtype"] == "fp8_e4m3"
     assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584) + mtp_scratch
     assert fp8["state_bytes_per_token"] <= 2 * 4000 and r["state_bytes_per_token"] <= 2 * 4000  # bf16: <= 2x
-    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]  # 36.2 vs 41.8 MB
+    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]  # 28.1 vs 41.8 MB
     bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
                           "--kv-cache-dtype", "fp8_e5m2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--kv-cache-dtype fp8_e5m2" in bad.stderr, bad.stderr[-500:]
@@ -271,10 +273,11 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
 
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
-                                                 ring_layer_widths, state_page_size, token_columns_per_slot,
+                                                 ring_layer_columns, ring_layer_widths, state_page_size,
+                                                 token_columns_per_slot,
                                                  token_layer_ratios, token_layer_widths, window_layer_widths)
     from sglang_tree_v4.dsv4.storage import ring_period
-    from sglang_tree_v4.speculative.model_override import sglang_config
+    from sglang_tree_v4.speculative.model_override import sglang_config, torch_itemsize
     raw = json.loads((Path(__file__).resolve().parents[1] / config).read_text())
     cfg = DSV4Config.from_dict(raw)
     pc, window, token = sglang_config(raw), window_layer_widths(cfg), token_layer_widths(cfg)
@@ -283,8 +286,10 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
     assert pc.sliding_window == max(cfg.window, *cfg.compress_ratios)  # what a step reads below its first query
     per_slot = token_columns_per_slot(cfg)
     page, ratios, scratch = state_page_size(cfg), token_layer_ratios(cfg), 6
-    ring, period = ring_layer_widths(cfg), ring_period(cfg, page, 1)  # a server without speculation
-    assert period == 8 < page and sum(ring) > 0  # the CSA compressor rows: 8 of every page's window rows
+    # a server without speculation, the pool in the checkpoint's dtype (an HCA state's fp32 in its columns)
+    ring, period = ring_layer_columns(cfg, torch_itemsize(raw)), ring_period(cfg, page, 1)
+    assert period == 8 < page and sum(ring) > 0  # the compressor rows and states: 8 of every page's window rows
+    assert sum(ring) >= sum(ring_layer_widths(cfg))
     for widths, extra, hd, vd in ((window, sum(ring) * period / page, pc.swa_head_dim, pc.swa_v_head_dim),
                                   (per_slot, 0, pc.head_dim, pc.v_head_dim)):
         real = sum(widths) + extra + len(widths) * vd
@@ -302,7 +307,9 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
             assert bool((pool.k_buffer[-1][3] == 7.0).all())
             assert [b.shape[0] for b in pool.k_buffer] == [5 * page] * (len(window) - mtp) + [5 * page + 4] * mtp
             # and its ring rows, 8 per page: window row page + 10 is ring row 8 + 2, window row 11 ring row 3
-            assert [(b.shape[0], b.shape[1]) for b in pool.ring_buffers] == [(5 * 8, w) for w in ring]
+            shapes = [(b.shape[0], b.shape[1]) for b in pool.ring_buffers]
+            assert shapes == [(5 * 8, w) for w in ring_layer_widths(cfg)]
+            assert [b.dtype for b in pool.ring_buffers] == [torch.float32] * len(ring)  # HCA states: fp32 always
             csa = next(b for b in pool.ring_buffers if b.shape[1])
             csa[8 + 2] = 5.0
             pool.move_kv_cache(torch.tensor([11]), torch.tensor([page + 10]))

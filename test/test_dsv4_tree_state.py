@@ -76,14 +76,15 @@ def release_all(runner, rids):
         runner.release(r)
 
 
-PIECES_ALWAYS = ("k", "ckv", "cscore", "ikv", "iscore")
+PIECES_ALWAYS = ("k", "ckv", "cscore", "ikv", "iscore", "cstate")
 
 
 def assert_rows_match(runner, slots_a, slots_b, positions):
     """Rows of two slot lists agree piece by piece (entries only where a block closes)."""
-    for layer, lay in enumerate(runner.store.layouts):
+    store = runner.store
+    for layer, lay in enumerate(store.layouts):
         ratio = runner.model.layers[layer].ratio
-        for piece in lay.pieces:
+        for piece in [*lay.pieces, *store.ring_layouts[layer].pieces, *store.token_layouts[layer].pieces]:
             if piece in ("entry", "ientry"):
                 r = 4 if piece == "ientry" else ratio
                 keep = [(p + 1) % r == 0 for p in positions]

@@ -86,7 +86,8 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
         assert out.logits.is_meta and out.verdict.tokens.is_meta
     # The server's verify forward over its pool layout: entries one row per block of each ratio and the tree
     # scratch (nodes out of their own slot, ``tree_entry_slots``), then the accepted entries' commit.
-    paged = SlotStore(store.layouts, slots, dt, "meta", token_layouts=model_token_layouts(cfg, entry_format),
+    paged = SlotStore(store.layouts, slots, dt, "meta", ring_layouts=store.ring_layouts,
+                      token_layouts=model_token_layouts(cfg, entry_format),
                       window_index=window_index, entry_ratios=entry_ratios(cfg), scratch_rows=B * D)
     mask = torch.empty(B * D * D, dtype=torch.bool, device="meta")
     out_slots = torch.empty(B * D, dtype=torch.long, device="meta")

@@ -3,8 +3,8 @@
 Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
 sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
-*window row* per position of each request's last window (keys, HCA compressor rows, the MTP's streams and keys,
-and its share of the CSA compressor ring: ``ring_period`` rows per page of window rows), plus
+*window row* per position of each request's last window (keys, the MTP's streams and keys, and its share of the
+compressor ring -- CSA compressor rows and HCA running states: ``ring_period`` rows per page of window rows), plus
 the draft trees' scratch (D entry rows per running request in each compressed layer, K (S - 1) rows in each MTP
 layer). This module measures them the way the server allocates them -- the pool class the server builds, with the
 arguments SGLang derives from the config our model override hands it (``sglang_config``), at two sizes and with
@@ -39,7 +39,8 @@ from .dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_
 from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
-                 "ikv": "compressor_rows", "iscore": "compressor_rows", "entry": "compressed_entries",
+                 "ikv": "compressor_rows", "iscore": "compressor_rows", "cstate": "compressor_rows",
+                 "entry": "compressed_entries",
                  "ientry": "compressed_entries"}
 # --kv-cache-dtype -> (the pool's dtype, None: the model's; how entries are kept, None: in the pool's dtype)
 KV_CACHE_DTYPES = {"auto": (None, None), "bfloat16": (torch.bfloat16, None), "bf16": (torch.bfloat16, None),
@@ -83,8 +84,8 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
     size = torch.empty((), dtype=dtype).element_size()
     kinds: dict[str, dict[str, int]] = {"token": {}, "window": {}}
 
-    def add(row: str, kind: str, cols: int) -> None:
-        kinds[row][kind] = kinds[row].get(kind, 0) + cols * size
+    def add(row: str, kind: str, cols: float, itemsize: int | None = None) -> None:
+        kinds[row][kind] = kinds[row].get(kind, 0) + cols * (itemsize or size)
 
     window_layouts, ring_layouts = paged_layouts(cfg)
     page = state_page_size(cfg)
@@ -94,7 +95,7 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
     share = ring_period(cfg, page, verify_tokens) / page
     for layout in ring_layouts:
         for piece, (_, w) in layout.pieces.items():
-            add("window", KIND_OF_PIECE[piece], w * share)
+            add("window", KIND_OF_PIECE[piece], w * share, layout.dtype.itemsize if layout.dtype else None)
     for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))

@@ -6,8 +6,8 @@ Query i at position p attends, with one softmax that also includes a learned per
 * CSA/HCA layers: compressed entries ``e < (p + 1) // r`` read from where the tokens at positions ``r*e + r - 1``
   put them (``SlotStore``) -- all of them for HCA, the indexer's top-k of them for CSA.
 
-Before reading, every query writes its own key and compressor rows to its own slot, then block-closing queries
-write their entries: that order lets queries of one forward (a prefill chunk, a draft tree) read each other
+Before reading, every query writes its own key and compressor rows (an HCA layer: its running pooling state,
+``hca_compressor``) to its own slot, then block-closing queries write their entries: that order lets queries of one forward (a prefill chunk, a draft tree) read each other
 through their tables. The attention output's rope slice is rotated back by -p (V carried the key rotation), then
 the grouped low-rank output projection: heads in ``o_groups`` groups, each projected to ``o_lora_rank`` (wo_a),
 concatenated, projected to hidden (wo_b).
@@ -19,6 +19,7 @@ from sgl_kernel_ext import ops
 from torch import nn
 
 from .compressor import Compressor, Indexer
+from .hca_compressor import HcaCompressor
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .norm import RMSNorm, rms
 from .quantized import dense_weight
@@ -44,11 +45,13 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
-        self.compressor: Compressor | None = None
+        self.compressor: Compressor | HcaCompressor | None = None
         self.indexer: Indexer | None = None
         self.ratio = ratio
-        if ratio:
-            self.compressor = Compressor(D, hd, self.ratio, layer_type == CSA, cfg.rms_norm_eps)
+        if layer_type == HCA:
+            self.compressor = HcaCompressor(D, hd, self.ratio, cfg.rms_norm_eps)
+        elif layer_type == CSA:
+            self.compressor = Compressor(D, hd, self.ratio, True, cfg.rms_norm_eps)
         if layer_type == CSA:
             self.indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
                                    cfg.rms_norm_eps)
@@ -63,14 +66,14 @@ class Attention(nn.Module):
 
         # 1) own rows only
         store.write(layer, "k", fb.out_slots, k)
-        if self.compressor is not None:
+        if self.layer_type == HCA:  # its running state, and the entries of block-closing queries
+            self.compressor.update(x, fb, store, layer, rope)
+        if self.indexer is not None:
             own = self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
-        if self.indexer is not None:
             own_index = self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
-        # 2) entries of block-closing queries
-        if self.compressor is not None:
-            self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry", own)
+        # 2) CSA: entries of block-closing queries
         if self.indexer is not None:
+            self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry", own)
             self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry", own_index)
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
         win_slots = fb.memo(("window", W), lambda: fb.table.lookup(

@@ -5,7 +5,8 @@ own slot. A block of ``r`` positions ``[r*e, r*e + r)`` is *closed* by its last 
 token computes entry ``e`` and stores it in its own slot:
 
 * HCA (non-overlapping, any ratio r): per channel, softmax over the r window slots of ``score + ape[j]``, weighted
-  sum of kv.
+  sum of kv -- computed as a running state instead of from stored rows (``hca_compressor.HcaCompressor``, which
+  keeps this class's weights).
 * CSA (ratio 4, overlapping): rows are ``2*d`` wide, ``[Ca | Cb]``. Entry e pools 2r slots per channel: the
   previous block's Ca halves (with ``ape[j, :d]``) and its own block's Cb halves (with ``ape[j, d:]``). For e = 0
   the previous block does not exist (weight 0).

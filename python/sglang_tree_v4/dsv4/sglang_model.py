@@ -1,7 +1,7 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
 SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
-target layer's window row (window key, HCA compressor rows; see ``storage``; the CSA compressor rows are in the
+target layer's window row (window key; see ``storage``; the CSA compressor rows and HCA running states are in the
 window sub-pool's ring buffers), the last block's streams before the HC head (the MTP's hidden input, needed again
 when the MTP catches up) and the MTP layer's row;
 entry layers hold one row per block of each compressed layer's ratio (pages are whole blocks, so a slot's block
@@ -127,11 +127,11 @@ def verify_caps(seq_lens: torch.Tensor, n: int, capacity: int, seq_lens_cpu: tor
     if not fixed_shapes(seq_lens.device):
         return None
     if seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return StepCaps(capacity)
+        return StepCaps(capacity, n)
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens
     if lens.numel() == 0:
-        return StepCaps(capacity)
-    return StepCaps.bucket(int(lens.max()) + n, capacity)
+        return StepCaps(capacity, n)
+    return StepCaps.bucket(int(lens.max()) + n, capacity, n)
 
 
 class TreeV4DeepseekV4ForCausalLM(nn.Module):
@@ -158,7 +158,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
     def stores(self) -> tuple[SlotStore, SlotStore | None, SlotStore]:
         """(target store, MTP store, streams store), views over the hybrid pool's K buffers (window layers first,
         then one entry layer per compressed layer: a row per block, then tree scratch) and the window sub-pool's
-        ring buffers (the CSA compressor rows), with SGLang's full-to-SWA mapping as the window index."""
+        ring buffers (CSA compressor rows, HCA states), with SGLang's full-to-SWA mapping as the window index."""
         if self._stores is None:
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 

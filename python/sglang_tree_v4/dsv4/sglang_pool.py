@@ -9,11 +9,13 @@ that its scheduler frees once the position falls out of the window, while its ra
 last window (and matches a prefix only where that window is still there). Allocation, eviction and the radix cache
 are SGLang's; this module only names the layers and carves the buffers.
 
-CSA compressor rows: a block-closing query reads them ``2r - 1 = 7`` positions back, so the window sub-pool keeps
-them in ring buffers of ``ring_period`` rows per page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``)
+Compressor rows and states: a CSA block-closing query reads its layer's compressor rows ``2r - 1 = 7`` positions
+back, an HCA query its layer's running state one position back (``hca_compressor``; fp32 whatever the pool's dtype),
+so the window sub-pool keeps them in ring buffers of ``ring_period`` rows per page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``)
 beside the window layers: a page's ring rows live and die with the page (radix cache and eviction included), its
 last positions' rows stay for the next page and a radix match at its end, and the accepted-token move carries them.
-At V4-Flash they were 107,520 of a window row's 226,394 bytes.
+At V4-Flash they were 107,520 (CSA) and 40,960 (HCA rows) of a window row's 226,394 bytes; now 26,880 (a
+window row's share of the ring) of 101,594.
 
 Entries: SGLang's pages are whole blocks of every ratio (``state_page_size``), and a paged allocator puts position
 ``p`` of a request at an offset ``p mod page`` of one of its pages, so the block of a slot is ``slot // r`` and the
@@ -51,19 +53,32 @@ WINDOW_LABEL, TOKEN_LABEL = "SWA", "Full"  # SGLang's allocation labels of the t
 
 
 def window_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Window-row layers: the target layers (without the CSA compressor rows), the streams, the MTP layers."""
+    """Window-row layers: the target layers (without their ring pieces), the streams, the MTP layers."""
     return [lay.width for lay in paged_layouts(cfg)[0] + streams_layouts(cfg) + mtp_layouts(cfg)]
 
 
 def ring_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Ring-row width of every target layer (a CSA layer's compressor rows; 0 elsewhere)."""
+    """Ring-row width of every target layer (a CSA layer's compressor rows, an HCA layer's running state; 0 for a
+    sliding-window layer)."""
     return [lay.width for lay in paged_layouts(cfg)[1]]
 
 
-def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int) -> int:
-    """The window sub-pool's ``head_dim`` SGLang sizes it with (``pool_head_dim``): the window layers' mean width
-    plus the ring rows' columns per window row (``ring_period / page`` of a row per CSA layer)."""
-    window, ring = window_layer_widths(cfg), ring_layer_widths(cfg)
+def ring_layer_dtypes(cfg: DSV4Config) -> list[torch.dtype | None]:
+    """Each ring layer's own dtype (an HCA layer's state: fp32), None where it is the pool's."""
+    return [lay.dtype for lay in paged_layouts(cfg)[1]]
+
+
+def ring_layer_columns(cfg: DSV4Config, itemsize: int) -> list[float]:
+    """``ring_layer_widths`` in columns of a pool whose dtype has ``itemsize`` bytes."""
+    return [w * (dt.itemsize / itemsize if dt is not None else 1)
+            for w, dt in zip(ring_layer_widths(cfg), ring_layer_dtypes(cfg))]
+
+
+def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int, itemsize: int) -> int:
+    """The window sub-pool's ``head_dim`` SGLang sizes it with (``pool_head_dim``) for a pool dtype of ``itemsize``
+    bytes: the window layers' mean width plus the ring rows' columns per window row (``ring_period / page`` of a
+    row per compressed layer)."""
+    window, ring = window_layer_widths(cfg), ring_layer_columns(cfg, itemsize)
     period = ring_period(cfg, page, draft_tokens)
     return pool_head_dim([w + (sum(ring) * period / page if i == 0 else 0) for i, w in enumerate(window)])
 
@@ -166,12 +181,13 @@ def retained_window(cfg: DSV4Config) -> int:
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
                      scratch_rows: int, entry_format: str | None = None,
                      window_scratch_rows: list[int] | None = None, ring_widths: list[int] | None = None,
-                     ring_period_of=None) -> type:
+                     ring_period_of=None, ring_dtypes: list[torch.dtype | None] | None = None) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
     has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows, window layer ``i`` a row per
     slot and then ``window_scratch_rows[i]`` (the MTP's draft scratch). The window sub-pool also keeps
-    ``ring_buffers``, one per target layer ``ring_widths[i]`` wide, of ``ring_period_of(page)`` rows per page
+    ``ring_buffers``, one per target layer ``ring_widths[i]`` wide (of ``ring_dtypes[i]``, None: the pool's), of
+    ``ring_period_of(page)`` rows per page
     (``ring_period``; ``storage.SlotStore``'s ring rows), moved with their window rows. With an ``entry_format``
     (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
     keep the pool's dtype."""
@@ -216,15 +232,16 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
             self.ring_period = ring_period_of(self.page_size) if any(ring) else None
             ring_rows = slots // self.page_size * self.ring_period if self.ring_period else 0
             if any(ring):
-                logger.info("TREE_V4 CSA compressor rows: %d per page of %d window rows", self.ring_period,
+                logger.info("TREE_V4 compressor rows and states: %d per page of %d window rows", self.ring_period,
                             self.page_size)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
                 self.k_buffer = [torch.zeros((n, 1, w), dtype=dtype, device=self.device)
                                  for n, w in zip(rows, widths)]
                 self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
-                self.ring_buffers = [torch.zeros((ring_rows, w), dtype=self.store_dtype, device=self.device)
-                                     for w in ring]
+                ring_dt = list(ring_dtypes or [None] * len(ring))
+                self.ring_buffers = [torch.zeros((ring_rows, w), dtype=dt or self.store_dtype, device=self.device)
+                                     for w, dt in zip(ring, ring_dt)]
             self.use_native_move_kv_cache = True
             self._kv_buffer_descs = self._build_kv_buffer_descs()
             self._init_data_ptrs_and_strides()
@@ -261,4 +278,4 @@ def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format:
     window = [0] * (len(window_layer_widths(cfg)) - mtp) + [mtp_scratch_rows] * mtp
     return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg, entry_format), token_layer_ratios(cfg),
                             scratch_rows, entry_format, window, ring_layer_widths(cfg),
-                            lambda page: ring_period(cfg, page, verify_tokens))
+                            lambda page: ring_period(cfg, page, verify_tokens), ring_layer_dtypes(cfg))

@@ -1,14 +1,16 @@
 """Per-slot storage of all attention state, and the per-query slot tables a forward reads it through.
 
-Every piece of per-token state is one row per *token slot* per layer: the token's window key (V = K), its
-compressor rows (kv and score, before the slot bias), for CSA also its indexer-compressor rows, and -- at the slot
+Every piece of per-token state is one row per *token slot* per layer: the token's window key (V = K), for CSA its
+compressor rows (kv and score, before the slot bias) and indexer-compressor rows, for HCA the running pooling
+state of its block up to it (``hca_compressor``), and -- at the slot
 of a token that closes a compression block, i.e. position ``t`` with ``(t + 1) % r == 0`` -- the compressed entry
 it produced (for CSA also the index key). A layer's pieces are column ranges of its rows, in two kinds by how long
 they are read: *window rows* (keys and compressor rows: only the last window of positions) and *token rows*
 (entries: for ever). SGLang's hybrid sliding-window pool holds the two kinds (``sglang_pool``) and frees window
 rows that fall out of the window; there the entries are kept one row per block instead of one per slot (pages
-are whole blocks, see ``SlotStore``), with a scratch area for draft-tree nodes, and a CSA layer's compressor rows
-(read at most ``2r - 1`` positions back) in a third kind, *ring rows*: a few per page of window rows.
+are whole blocks, see ``SlotStore``), with a scratch area for draft-tree nodes, and the compressor pieces read
+only a few positions back (a CSA layer's rows: ``2r - 1``; an HCA layer's state: 1) in a third kind, *ring rows*:
+a few per page of window rows.
 
 Consequences (the reason for this layout):
 
@@ -38,35 +40,39 @@ from .entry_codec import Fp8Codec, entry_codecs
 @dataclass(frozen=True)
 class LayerLayout:
     """Column layout of one layer's per-slot row: ``pieces[name] = (offset, width)``; a piece in ``codecs`` is kept
-    as the codec's bytes (its width is ``nbytes``, its buffer uint8)."""
+    as the codec's bytes (its width is ``nbytes``, its buffer uint8). ``dtype``: the buffer's own dtype where it
+    must not follow the store's (an HCA layer's running pooling state stays fp32 in a bf16 pool)."""
 
     pieces: dict[str, tuple[int, int]]
     width: int
     codecs: dict[str, Fp8Codec] = field(default_factory=dict)
+    dtype: torch.dtype | None = None
 
     @staticmethod
-    def of(named_widths: list[tuple[str, int]], codecs: dict[str, Fp8Codec] | None = None) -> "LayerLayout":
+    def of(named_widths: list[tuple[str, int]], codecs: dict[str, Fp8Codec] | None = None,
+           dtype: torch.dtype | None = None) -> "LayerLayout":
         codecs = {name: codecs[name] for name, _ in named_widths if name in (codecs or {})}
         pieces, off = {}, 0
         for name, w in named_widths:
             w = codecs[name].nbytes if name in codecs else w
             pieces[name] = (off, w)
             off += w
-        return LayerLayout(pieces, off, codecs)
+        return LayerLayout(pieces, off, codecs, dtype)
 
 
 def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
     """Window-row pieces (in row order), what only the last window of positions needs:
 
     * all layers: ``k`` (head_dim) -- normalised, rotated window key, also the value;
-    * HCA: ``ckv``, ``cscore`` (head_dim each);
+    * HCA: ``cstate`` (2*head_dim: ``[o | lse]``) -- the running pooling state of the position's block up to the
+      position (``hca_compressor``), which is all a later position reads of it;
     * CSA: ``ckv``, ``cscore`` (2*head_dim each: ``[Ca | Cb]`` halves), ``ikv``, ``iscore`` (2*index_head_dim each).
     """
     hd, ihd = cfg.head_dim, cfg.index_head_dim
     if layer_type == SLIDING:
         return LayerLayout.of([("k", hd)])
     if layer_type == HCA:
-        return LayerLayout.of([("k", hd), ("ckv", hd), ("cscore", hd)])
+        return LayerLayout.of([("k", hd), ("cstate", 2 * hd)])
     if layer_type == CSA:
         return LayerLayout.of([("k", hd), ("ckv", 2 * hd), ("cscore", 2 * hd), ("ikv", 2 * ihd), ("iscore", 2 * ihd)])
     raise ValueError(f"unknown layer type {layer_type!r}")
@@ -90,27 +96,36 @@ def model_layouts(cfg: DSV4Config) -> list[LayerLayout]:
     return [layer_layout(cfg, cfg.layer_type(i)) for i in range(cfg.num_layers)]
 
 
-RING_PIECES = ("ckv", "cscore", "ikv", "iscore")  # a CSA layer's compressor rows: read at most 2r - 1 positions back
+# Compressor pieces read only a few positions back: a CSA layer's rows (at most 2r - 1 back), an HCA layer's running
+# state (1 back). Kept in ring rows (``SlotStore``).
+RING_PIECES = ("ckv", "cscore", "ikv", "iscore", "cstate")
+RING_READ_BACK = {CSA: lambda cfg: 2 * cfg.csa_ratio - 1, HCA: lambda cfg: 1}
+STATE_DTYPE = torch.float32  # an HCA layer's running state: a log-sum-exp folded over up to 128 positions
 
 
 def paged_layouts(cfg: DSV4Config) -> tuple[list[LayerLayout], list[LayerLayout]]:
-    """``model_layouts`` split for SGLang's paged pool: (window rows without the CSA compressor rows, the CSA
-    compressor rows), the latter kept in a ring of a few rows per page (``SlotStore``'s ``ring_period``)."""
+    """``model_layouts`` split in two: (window rows without the compressor pieces read only a few positions back,
+    those pieces), the latter kept in ring rows -- a few per page in SGLang's paged pool (``SlotStore``'s
+    ``ring_period``), a row per slot elsewhere -- with an HCA layer's state in ``STATE_DTYPE``."""
     window, ring = [], []
     for i, lay in enumerate(model_layouts(cfg)):
-        in_ring = cfg.layer_type(i) == CSA
+        kind = cfg.layer_type(i)
+        in_ring = kind in RING_READ_BACK
         pieces = [(n, w) for n, (_, w) in lay.pieces.items()]
         window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)]))
-        ring.append(LayerLayout.of([(n, w) for n, w in pieces if in_ring and n in RING_PIECES]))
+        ring.append(LayerLayout.of([(n, w) for n, w in pieces if in_ring and n in RING_PIECES],
+                                   dtype=STATE_DTYPE if kind == HCA else None))
     return window, ring
 
 
 def ring_period(cfg: DSV4Config, page: int, draft_tokens: int) -> int:
-    """Ring rows per page for the CSA compressor rows: the smallest divisor of ``page`` that holds a block-closing
-    query's span of committed rows (``2r - 1`` positions back) together with the ``draft_tokens`` rows a verify
-    forward writes after them, so that no node's row lands on a committed row still to be read. ``page`` itself
-    (a row per slot) where nothing smaller does."""
-    need = 2 * cfg.csa_ratio - 1 + max(draft_tokens, 1)
+    """Ring rows per page: the smallest divisor of ``page`` that holds the committed rows a query reads back (a
+    CSA block-closing query: ``2r - 1`` positions; an HCA query: the previous position's state) together with the
+    ``draft_tokens`` rows a verify forward writes after them, so that no node's row lands on a committed row still
+    to be read. ``page`` itself (a row per slot) where nothing smaller does."""
+    back = [RING_READ_BACK[t](cfg) for t in sorted({cfg.layer_type(i) for i in range(cfg.num_layers)})
+            if t in RING_READ_BACK]
+    need = max(back, default=0) + max(draft_tokens, 1)
     return next(d for d in range(1, page + 1) if page % d == 0 and d >= min(need, page))
 
 
@@ -151,11 +166,13 @@ class SlotStore:
     addressed by ``-2 - j`` for scratch row ``j``: a draft node's row that no slot owns and no step outlives.
 
     **Ring rows** (``ring_layouts``, ``ring_buffers``; SGLang's paged pool, ``paged_layouts``): a CSA layer's
-    compressor rows are read at most ``2r - 1`` positions back, so a page of window rows keeps only
+    compressor rows are read at most ``2r - 1`` positions back and an HCA layer's state one position back (a ring
+    layout may have its own dtype), so a page of window rows keeps only
     ``ring_period`` of them: window row ``w`` is ring row ``(w // page) * ring_period + w % ring_period``. A page's
     last ``ring_period`` positions stay (what the next page's first blocks and a radix match at the page's end read);
     a later position of the same page overwrites an earlier one, so a forward reads the rows it wrote itself from
-    its own values (``Compressor``) and writes only the last of those sharing a ring row (``ring_write_slots``).
+    its own values (``Compressor``, ``HcaCompressor``) and writes only the last of those sharing a ring row
+    (``ring_write_slots``).
     Without a ``ring_period`` ring rows are window rows (one per slot).
 
     ``view(layer, piece)`` is the piece's column range of its buffer; index it with ``index(layer, piece, slots)``.
@@ -188,7 +205,8 @@ class SlotStore:
             dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
             rows = num_slots // page * ring_period if self.ring_period else (
                 buffers[0].shape[0] - window_scratch_rows if buffers else num_slots)  # a row per window row
-            ring_buffers = [torch.zeros(rows, lay.width, dtype=dt, device=dev) for lay in self.ring_layouts]
+            ring_buffers = [torch.zeros(rows, lay.width, dtype=lay.dtype or dt, device=dev)
+                            for lay in self.ring_layouts]
         for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts),
                                  ("ring", ring_buffers, self.ring_layouts)):
             for i, (b, lay) in enumerate(zip(bufs, lays)):
@@ -450,15 +468,16 @@ class StepCaps:
     captured, a bucket of the batch's longest context known on the host (same code, smaller padding)."""
 
     max_context: int
+    run: int | None = None  # most queries of one request in the forward (a verify step's D); None: all of them
 
     def entries(self, ratio: int) -> int:
         """Most entries of ratio ``ratio`` a query at position ``< max_context`` can see."""
         return self.max_context // ratio
 
     @staticmethod
-    def bucket(longest: int, limit: int) -> "StepCaps":
+    def bucket(longest: int, limit: int, run: int | None = None) -> "StepCaps":
         """The next power of two at or above ``longest`` (at least 64), at most ``limit``: few distinct shapes."""
-        return StepCaps(min(max(64, 1 << max(int(longest) - 1, 0).bit_length()), limit))
+        return StepCaps(min(max(64, 1 << max(int(longest) - 1, 0).bit_length()), limit), run)
 
 
 @dataclass

@@ -35,6 +35,11 @@ def use_own_model() -> bool:
     return (os.environ.get(OWN_MODEL_ENV) == "1" or "TREE_V4" in sys.argv or cpu_only_machine())
 
 
+def torch_itemsize(raw: dict) -> int:
+    """Bytes per element of the checkpoint's ``torch_dtype`` (the pool's dtype until the server says otherwise)."""
+    return {"bfloat16": 2, "float16": 2}.get(str(raw.get("torch_dtype", "float32")).replace("torch.", ""), 4)
+
+
 def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1):
     """The config SGLang sizes its pools and tokenizer from; ``raw`` travels along for our model. With fp8 entries
     (``entry_format``) the full sub-pool's ``head_dim`` is their bytes in columns of ``itemsize`` bytes (the
@@ -51,7 +56,8 @@ def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1)
         architectures=[ARCHITECTURE], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
         head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg, entry_format, itemsize)), v_head_dim=sp.V_COLUMNS,
-        swa_head_dim=sp.swa_head_dim(cfg, sp.state_page_size(cfg), 1), swa_v_head_dim=sp.V_COLUMNS,
+        swa_head_dim=sp.swa_head_dim(cfg, sp.state_page_size(cfg), 1, itemsize if entry_format else
+                                     torch_itemsize(raw)), swa_v_head_dim=sp.V_COLUMNS,
         swa_num_key_value_heads=1,
         is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
         sliding_window=sp.retained_window(cfg),
@@ -120,8 +126,8 @@ def entry_dtype(original, runner, *args, **kwargs):
     compressor rows, the MTP's streams -- in the model's dtype. So SGLang builds and sizes a pool of the model's
     dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the full sub-pool's ``head_dim``), and
     our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag.
-    Here, where the page size and TREE_V4's D are known, the window sub-pool's ``head_dim`` also gets the CSA
-    compressor ring's share (``sglang_pool.swa_head_dim``)."""
+    Here, where the page size, TREE_V4's D and the pool's dtype are known, the window sub-pool's ``head_dim`` also
+    gets the compressor ring's share (``sglang_pool.swa_head_dim``)."""
     import torch
 
     from ..dsv4 import sglang_pool as sp
@@ -133,9 +139,7 @@ def entry_dtype(original, runner, *args, **kwargs):
     raw = getattr(hf_config, RAW_CONFIG_ATTR, None)
     if raw is None:
         return out
-    cfg = DSV4Config.from_dict(raw)  # the window sub-pool's width with the CSA ring the server will build
-    runner.model_config.swa_head_dim = sp.swa_head_dim(cfg, runner.server_args.page_size or sp.state_page_size(cfg),
-                                                       sp.verify_tokens_of(runner.server_args))
+    cfg = DSV4Config.from_dict(raw)
     kv, entry_format = runner.kv_cache_dtype, None
     if kv.itemsize == 1 or "float4" in str(kv):
         if kv != torch.float8_e4m3fn:
@@ -149,6 +153,10 @@ def entry_dtype(original, runner, *args, **kwargs):
         logger.info("TREE_V4 DeepSeek-V4 state: compressed entries as %s, window rows in %s", entry_format,
                     runner.dtype)
     setattr(hf_config, ENTRY_FORMAT_ATTR, entry_format)
+    # the window sub-pool's width with the compressor ring the server will build, in its dtype's columns
+    runner.model_config.swa_head_dim = sp.swa_head_dim(cfg, runner.server_args.page_size or sp.state_page_size(cfg),
+                                                       sp.verify_tokens_of(runner.server_args),
+                                                       runner.kv_cache_dtype.itemsize)
     return out
 
 

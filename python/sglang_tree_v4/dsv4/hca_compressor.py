@@ -1,0 +1,102 @@
+"""HCA compression as a running state, one fold per position.
+
+An HCA entry pools a block of ``r`` positions (128 at V4-Flash) per channel: ``sum_j softmax_j(s_j) v_j`` with
+``s_j = score_j + ape[j]``. Pooling the stored rows when the block closes needs every row since the block's start,
+i.e. a block's worth of ``[kv | score]`` rows per request (10.8 of the 36.2 MB a running request held at V4-Flash).
+The same sum can be carried along as a state ``[o | lse]`` (the pooled value so far and the log-sum-exp of the
+logits so far), folded one position at a time:
+
+    lse' = logaddexp(lse, s),    o' = o * exp(lse - lse') + v * exp(s - lse');    a block's first position: (v, s)
+
+Position ``p`` stores its state; position ``p + 1`` reads only that one, so the committed state a forward reads is
+one position back and lives in a few ring rows per page (``storage.RING_READ_BACK``). The closing position's ``o``,
+RMS-normalised and rotated at the block's first position, is the entry.
+
+Why a strict order of folds: the entry must be bit for bit the same whichever forward computed it -- a prefill
+chunk, a decode step, a draft-tree node on the accepted path -- or the tree's tokens could drift from the
+non-speculative server's. Every state is therefore ``fold(state of the previous position, own row)``, never a
+regrouped sum. Within one forward the previous position may be another query of the same forward (a prefill
+chunk, a node's parent): the states are solved by repeated sweeps, each one folding every query onto the current
+value of its predecessor, until the longest chain inside a block is done (``iterations``); every sweep is the same
+elementwise arithmetic, so the final values are those of the one-by-one folds.
+"""
+from __future__ import annotations
+
+import torch
+from sgl_kernel_ext.reference import apply_interleaved_rope
+
+from .compressor import Compressor
+from .rope import Rope
+from .storage import ForwardBatch, SlotStore, find
+
+
+def fold(o: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
+         start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position's row ``(v, s)`` folded into the state ``(o, lse)`` of the previous position; where ``start``
+    (the block's first position) the row alone."""
+    new_lse = torch.logaddexp(lse, s)
+    new_o = o * torch.exp(lse - new_lse) + v * torch.exp(s - new_lse)
+    first = start[:, None]
+    return torch.where(first, v, new_o), torch.where(first, s, new_lse)
+
+
+class HcaCompressor(Compressor):
+    """The HCA layer's compressor: the weights of ``Compressor`` (non-overlapping), the pooling as a running
+    state (module doc)."""
+
+    def __init__(self, dim_in: int, d: int, ratio: int, eps: float):
+        super().__init__(dim_in, d, ratio, False, eps)
+
+    def update(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope,
+               state: str = "cstate", entry: str = "entry") -> None:
+        """Every query's state into its own slot, then block-closing queries' entries."""
+        r, d = self.ratio, self.d
+        p = fb.positions
+        v = self.wkv(x).float()
+        s = self.wgate(x).float() + self.ape.float()[p % r]
+        start = p % r == 0
+        pred, hit, query = fb.memo("hca_predecessors", lambda: _predecessors(fb))
+        stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
+        stored_o, stored_lse = stored[:, :d], stored[:, d:]
+        o, lse = v, s
+        for _ in range(fb.memo(("hca_iterations", r), lambda: iterations(fb, r))):
+            o, lse = fold(torch.where(hit[:, None], o[query], stored_o),
+                          torch.where(hit[:, None], lse[query], stored_lse), v, s, start)
+        slots = fb.out_slots
+        if store.in_ring(layer, state):
+            slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
+        store.write(layer, state, slots, torch.cat([o, lse], dim=1))
+
+        closes = (p + 1) % r == 0
+        if fb.caps is None:  # eager: only the block-closing queries
+            closers = closes.nonzero().squeeze(1)
+            if closers.numel() == 0:
+                return
+            o, p = o[closers], p[closers]
+        y = o * torch.rsqrt(o.pow(2).mean(dim=1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
+        cos, sin = rope.cos_sin(p + 1 - r)  # RoPE at the entry's first position
+        y = apply_interleaved_rope(y, cos, sin)
+        if fb.caps is None:
+            store.write(layer, entry, fb.entry_out_slots[closers], y)
+        else:  # fixed shapes: every query computed its would-be entry; only block-closers keep it
+            store.write_kept(layer, entry, fb.entry_out_slots, y, closes)
+
+
+def _predecessors(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per forward (the same for every HCA layer): each query's previous position's slot (``-1``: none), whether
+    this forward computes that position itself, and the query that does."""
+    pred = fb.table.lookup((fb.positions - 1)[:, None])[:, 0]
+    hit, query = find(fb.out_slots, pred)
+    return pred, hit & (pred >= 0), query
+
+
+def iterations(fb: ForwardBatch, r: int) -> int:
+    """Sweeps that settle every state of the forward: one more than the longest chain of queries of one request
+    inside one block, at most ``r``. With fixed shapes the caps say it (``StepCaps.run``, a verify step's D) or the
+    whole forward bounds it; eagerly it is read from the batch."""
+    n = fb.positions.shape[0]
+    if n == 0:
+        return 0
+    if fb.caps is not None:
+        return min(r, fb.caps.run or n)
+    return min(r, int(torch.bincount(fb.table.query_req).max()))
