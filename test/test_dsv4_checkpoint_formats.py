@@ -199,10 +199,10 @@ def test_footprint_state_of_the_published_v4_flash_config():
     index key 128) per 4 slots in 21 layers and one HCA entry (512) per 128 in 20, plus one V column per layer:
     6,962 bytes per token (1,474,650 when every state piece of every layer sat in a per-token row padded to the
     widest, 273,754 unpadded, 47,442 with a full entry row per token). A window row holds the rest -- keys (43
-    layers + MTP, 512), the MTP's input streams (4 x 4096), and its share of the compressor ring: 16 rows per page
-    of 128 (the D=8 verify block after a CSA block's 7 rows back), 1/8 of a row per window row, of the CSA
-    compressor rows (2 x 1024 + 2 x 256) and of the HCA running states (2 x 512, fp32): 101,594 bytes (226,394
-    when every row kept every compressor row, 132,314 with the HCA rows (2 x 512) in every row) -- and a request
+    layers + MTP, 512) and its share of the ring: 16 rows per page of 128 (the D=8 verify block after a CSA
+    block's 7 rows back), 1/8 of a row per window row, of the CSA compressor rows (2 x 1024 + 2 x 256), the HCA
+    running states (2 x 512, fp32) and the MTP's input streams (4 x 4096): 72,920 bytes (226,394 when every row
+    kept every compressor row and stream, 132,314 with the HCA rows and the streams in every row) -- and a request
     holds at most 128 + 128 window rows (SGLang keeps the retained window of 128, a whole page, and
     frees every 128 positions, its eviction interval) + 8 for the verify block, 8 + 127 token slots beyond its
     committed tokens (reservation, last page), 8 scratch rows (one entry of every layer per draft node) and 9 MTP
@@ -217,10 +217,10 @@ def test_footprint_state_of_the_published_v4_flash_config():
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
     token = (21 * (512 + 128) // 4 + 20 * 512 // 128 + 41) * 2
-    window_row = (44 * 512 + 21 * (2 * 1024 + 2 * 256) * 16 // 128 + 4 * 4096 + 45) * 2 + 20 * 2 * 512 * 4 // 8
+    window_row = (44 * 512 + (21 * (2 * 1024 + 2 * 256) + 4 * 4096) * 16 // 128 + 44) * 2 + 20 * 2 * 512 * 4 // 8
     scratch_row = (21 * (512 + 128) + 20 * 512) * 2
     mtp_scratch = 3 * 3 * 512 * 2  # K (S - 1) rows of the MTP layer's window key
-    assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row == 101_594
+    assert r["state_bytes_per_token"] == token == 6_962 and r["window_row_bytes"] == window_row == 72_920
     assert r["page_size"] == 128 and r["tree_scratch_bytes_per_request"] == 8 * scratch_row + mtp_scratch
     assert r["draft_tree_slots_per_request"] == 8  # the default D=8 K=3 S=4 tree's verify block
     assert r["window_rows_per_request"] == 128 + 128 + 8
@@ -243,7 +243,7 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert fp8["window_row_bytes"] == window_row and fp8["kv_cache_dtype"] == "fp8_e4m3"
     assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584) + mtp_scratch
     assert fp8["state_bytes_per_token"] <= 2 * 4000 and r["state_bytes_per_token"] <= 2 * 4000  # bf16: <= 2x
-    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]  # 28.1 vs 41.8 MB
+    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]  # 20.5 vs 41.8 MB
     bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
                           "--kv-cache-dtype", "fp8_e5m2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--kv-cache-dtype fp8_e5m2" in bad.stderr, bad.stderr[-500:]

@@ -6,7 +6,8 @@ still passed here could not see the bug it is named after.
 * a pool that forgets to free aborted requests -> the leak check sees held slots;
 * an acceptance biased by 2 %                -> the sampled-losslessness statistic leaves its band;
 * window rows kept one page short            -> served tokens are not the model's (``test_window_retention.py``);
-* CSA compressor rows read only from the ring  -> the same check fails (pages of 64, a ring of 16).
+* CSA compressor rows read only from the ring  -> the same check fails (pages of 64, a ring of 16);
+* prefill rounds without the MTP's catch-up   -> served acceptance leaves the offline loop's.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.weights import load_model
 from sglang_tree_v4.speculative.offline import plain_greedy
 from support import serving_checks as checks
-from test_tree_v4_serving import COMMON, EMBEDDED, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
+from test_tree_v4_serving import COMMON, EMBEDDED, NEW_TOKENS, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
 from test_window_retention import EARLIEST_EVICTION, RING_PAGES
 
 pytestmark = pytest.mark.server
-MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only")
+MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only", "no_prefill_mtp")
 ENV = {"short_window": EARLIEST_EVICTION}
 ARGS = {"ring_stored_only": RING_PAGES}
 
@@ -85,3 +86,11 @@ def test_short_window_fails_the_window_check(mutated, target_model):
 def test_ring_stored_only_fails_the_window_check(mutated, target_model):
     bad = checks.window_read_violations(mutated["ring_stored_only"], target_model)
     assert bad, "the window check did not see compressor rows a prefill overwrote in its ring"
+
+
+def test_no_prefill_mtp_fails_the_acceptance_check(mutated, target_model):
+    server = mutated["no_prefill_mtp"]
+    items = checks.eval_prompts(server)[:8]
+    outs = checks.run_all(server, items, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+    ratios = checks.acceptance_vs_offline(server, target_model, EMBEDDED, TREE, items, outs, NEW_TOKENS)
+    assert not checks.acceptance_matches(ratios), ratios

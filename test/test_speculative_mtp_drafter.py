@@ -15,7 +15,8 @@ from sglang_tree_v4.dsv4.model import DSV4Model
 from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store, new_streams_store
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
-from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter, catch_up, catch_up_start, mtp_window_from
+from sglang_tree_v4.speculative.mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_prefill, catch_up_start,
+                                                    mtp_window_from, prefill_span)
 from sglang_tree_v4.tree import build_draft_tree
 from support.tiny_v4 import randomize, tiny_config
 
@@ -152,3 +153,73 @@ def test_a_catch_up_after_a_gap_reads_no_row_of_the_gap():
     assert torch.equal(root(masked, 1), root(masked, 2))
     whole = runner.req_table[rid:rid + 1]
     assert not torch.allclose(root(whole, 1), root(whole, 2))
+
+
+PROMPT_LEN = 45
+
+
+def _prefill_with_mtp(model, chunks, from_chunk, poison_before):
+    """The server's prefill rounds on a runner: each chunk's target forward, its streams into a store in which every
+    stream more than one position before the next chunk is NaN (what the pool's few ring rows per page no longer
+    hold), the MTP over ``prefill_span`` from the chunk's own streams (from chunk ``from_chunk`` on: before it, as
+    after a radix hit, the MTP never ran), then the decode round's catch-up of the last position. ``poison_before``
+    (a control): also the stream just before a chunk is NaN. Returns the runner, request, MTP rows of the prompt
+    and the root draft's logits."""
+    prompt = torch.randint(0, 96, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = DSV4Runner(model, num_slots=512, max_len=128, max_reqs=4)
+    rid = runner.add_request()
+    streams = new_streams_store(model.cfg, 512)
+    first = chunks[from_chunk][0] - 1 if from_chunk else 0
+    for i, (a, b) in enumerate(chunks):
+        out = runner.extend([rid], [prompt[a:b]])[0]
+        table = mtp_window_from(runner.req_table[rid:rid + 1], [first])
+        lost = a if poison_before else max(a - 1, 0)
+        streams.write(0, "h", runner.req_table[rid, :lost], torch.full((lost, streams.layouts[0].width), float("nan")))
+        streams.write(0, "h", runner.req_table[rid, a:b], out.streams.flatten(1))
+        if i >= from_chunk:
+            span = prefill_span(a, b, PROMPT_LEN, model.cfg.window)
+            catch_up_prefill(model, runner.mtp_store, streams, table, [(a, b)], [span], out.streams, [prompt])
+    bonus = int(out.logits[-1].argmax())
+    logits, _ = catch_up(model, runner.mtp_store, streams, table, [PROMPT_LEN - 1], [PROMPT_LEN], [[bonus]])
+    return prompt, bonus, runner.mtp_store.read(0, "k", runner.req_table[rid, :PROMPT_LEN]), logits[0, 0]
+
+
+def _window_catch_up(model, first):
+    """The reference: the whole prompt's streams stored, the MTP over its last window (from ``first``, masked
+    below it) in one catch-up with the bonus."""
+    prompt = torch.randint(0, 96, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = DSV4Runner(model, num_slots=512, max_len=128, max_reqs=4)
+    rid = runner.add_request()
+    out = runner.extend([rid], [prompt])[0]
+    streams = new_streams_store(model.cfg, 512)
+    streams.write(0, "h", runner.slots_of(rid), out.streams.flatten(1))
+    bonus = int(out.logits[-1].argmax())
+    start = max(first, PROMPT_LEN - model.cfg.window)
+    table = mtp_window_from(runner.req_table[rid:rid + 1], [first])
+    logits, _ = catch_up(model, runner.mtp_store, streams, table, [start], [PROMPT_LEN],
+                         [prompt[start + 1:] + [bonus]])
+    return bonus, runner.mtp_store.read(0, "k", runner.slots_of(rid)), logits[0, 0], start
+
+
+@pytest.mark.parametrize("chunks, from_chunk", [([(0, 20), (20, 45)], 0), ([(0, 40), (40, 45)], 0),
+                                                ([(0, 32), (32, 45)], 1)], ids=["chunked", "short-last", "cached"])
+@torch.no_grad()
+def test_prefill_catch_up_needs_one_stream_before_its_chunk(chunks, from_chunk):
+    """The server runs the MTP in its prefill rounds over each chunk's last window from the streams the forward
+    produced (``catch_up_prefill``), so the pool keeps a few streams per page: the prompt's last window of MTP rows
+    and the root draft must be those of one catch-up over the window from every stream, though every stream more
+    than one position before a chunk is NaN. After a radix hit (the first chunk's MTP never ran) the MTP's window
+    starts at the position before the chunk, as the reference masked there. Control: that one stream NaN too."""
+    model = _model()
+    first = chunks[from_chunk][0] - 1 if from_chunk else 0
+    bonus, ref_rows, ref_logits, start = _window_catch_up(model, first)
+    prompt, got_bonus, rows, logits = _prefill_with_mtp(model, chunks, from_chunk, poison_before=False)
+    assert got_bonus == bonus
+    assert rel_err(rows[start:], ref_rows[start:]) < 1e-5 and rel_err(logits, ref_logits) < 1e-5
+    if from_chunk:
+        _, _, bad_rows, bad_logits = _prefill_with_mtp(model, chunks, from_chunk, poison_before=True)
+        assert torch.isnan(bad_rows[start]).all() and torch.isnan(bad_logits).all()
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())

@@ -45,8 +45,8 @@ def servers(tmp_path_factory):
         yield ready
 
 
-RING_LOG = {"plain": "CSA compressor rows: 8 per page of 16", "tree": "CSA compressor rows: 16 per page of 64",
-            "tree_fixed_overlap": "CSA compressor rows: 16 per page of 64"}
+RING_LOG = {"plain": "MTP input streams): 8 per page of 16", "tree": "MTP input streams): 16 per page of 64",
+            "tree_fixed_overlap": "MTP input streams): 16 per page of 64"}
 
 
 @pytest.mark.parametrize("name", list(SERVERS))

@@ -3,8 +3,8 @@
 Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
 sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
-*window row* per position of each request's last window (keys, the MTP's streams and keys, and its share of the
-compressor ring -- CSA compressor rows and HCA running states: ``ring_period`` rows per page of window rows), plus
+*window row* per position of each request's last window (keys, the MTP's keys, and its share of the ring --
+CSA compressor rows, HCA running states, the MTP's input streams: ``ring_period`` rows per page of window rows), plus
 the draft trees' scratch (D entry rows per running request in each compressed layer, K (S - 1) rows in each MTP
 layer). This module measures them the way the server allocates them -- the pool class the server builds, with the
 arguments SGLang derives from the config our model override hands it (``sglang_config``), at two sizes and with
@@ -99,7 +99,7 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
     for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))
-    add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size)
+    add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size * share)
     for layout in mtp_layouts(cfg):
         add("window", "mtp_window_kv", layout.pieces["k"][1])
     pattern = pool_config.hybrid_layer_pattern

@@ -291,3 +291,31 @@ def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n
         z[k] = float((h - p).sum() / var.sum().sqrt())
         variance[k] = float(var.mean())
     return SampledStats(int(torch.cat(hits_all["top1"]).numel()), z, variance, rounds / max(count, 1))
+
+
+def acceptance_vs_offline(tokenizer_server, model, model_path, shape_args: list[str], items: list[dict],
+                          outputs: list[dict], new_tokens: int) -> list[float]:
+    """Per served greedy output of ``items`` (text prompts): its tokens per verify round over those of the offline
+    loop (``speculative.offline.speculative_greedy``, every stream kept, the MTP over the whole prompt) with the
+    server's tree shape (``shape_args``: its flags) and draft score temperature. A served MTP that drafts from
+    stale or missing rows (e.g. after a prefill) accepts less than the loop."""
+    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.speculative.offline import speculative_greedy
+    from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature
+
+    D, K, S = (int(shape_args[shape_args.index(flag) + 1]) for flag in (
+        "--speculative-num-draft-tokens", "--speculative-eagle-topk", "--speculative-num-steps"))
+    runner = DSV4Runner(model, num_slots=2048, max_len=512, max_reqs=2)
+    ratios = []
+    for item, out in zip(items, outputs):
+        ids = tokenizer_server.post("/tokenize", {"prompt": item["text"]}).json()["tokens"]
+        with torch.no_grad():
+            run = speculative_greedy(runner, ids, D, K, S, new_tokens,
+                                     score_temperature=checkpoint_score_temperature(str(model_path)))
+        ratios.append(out["meta_info"]["spec_accept_length"] / (len(run.tokens) / len(run.accepts)))
+    return ratios
+
+
+def acceptance_matches(ratios: list[float]) -> bool:
+    """Served acceptance is the offline loop's: every prompt within 10 %, the mean within 5 %."""
+    return all(0.9 <= r <= 1.1 for r in ratios) and abs(sum(ratios) / len(ratios) - 1) <= 0.05

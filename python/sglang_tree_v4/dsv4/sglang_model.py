@@ -1,9 +1,9 @@
 """The one adapter between our DeepSeek-V4 (plain torch over per-slot storage) and SGLang's model interface.
 
 SGLang sees a hybrid sliding-window model with one KV "head" per layer (``sglang_pool``): window layers hold each
-target layer's window row (window key; see ``storage``; the CSA compressor rows and HCA running states are in the
-window sub-pool's ring buffers), the last block's streams before the HC head (the MTP's hidden input, needed again
-when the MTP catches up) and the MTP layer's row;
+target layer's window row (window key; see ``storage``) and the MTP layer's row; the window sub-pool's ring buffers
+hold the CSA compressor rows, the HCA running states and the last block's streams before the HC head (the MTP's
+hidden input, read again when the MTP catches up);
 entry layers hold one row per block of each compressed layer's ratio (pages are whole blocks, so a slot's block
 row is ``slot // r``) and the draft trees' scratch. Everything per token therefore lives in SGLang's own KV
 buffers, so its allocator, SWA eviction and radix cache carry all of it; its accepted-token move
@@ -30,8 +30,8 @@ from .config import DSV4Config
 from .quantize import build_model, parameter_bytes
 from .tp import shard_model
 from .sglang_pool import entry_ratios, window_layer_widths
-from .storage import (SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts, mtp_layouts,
-                      paged_layouts, streams_layouts)
+from .storage import (LayerLayout, SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts,
+                      mtp_layouts, paged_layouts, streams_layouts)
 from .weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
     def stores(self) -> tuple[SlotStore, SlotStore | None, SlotStore]:
         """(target store, MTP store, streams store), views over the hybrid pool's K buffers (window layers first,
         then one entry layer per compressed layer: a row per block, then tree scratch) and the window sub-pool's
-        ring buffers (CSA compressor rows, HCA states), with SGLang's full-to-SWA mapping as the window index."""
+        ring buffers (CSA compressor rows, HCA states, the streams), with SGLang's full-to-SWA mapping as the window
+        index."""
         if self._stores is None:
             from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
@@ -173,13 +174,16 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             num_slots = pool.size + pool.page_size
             window_lays, ring_lays = paged_layouts(cfg)
             swa = pool.swa_kv_pool
+            ring = dict(ring_period=swa.ring_period, page=pool.page_size)
             target = SlotStore(window_lays, num_slots, buffers=window[:n], token_layouts=token_lays,
                                token_buffers=token, entry_ratios=entry_ratios(cfg), ring_layouts=ring_lays,
-                               ring_buffers=swa.ring_buffers, ring_period=swa.ring_period, page=pool.page_size,
-                               **common)
-            streams = SlotStore(streams_layouts(cfg), num_slots, buffers=[window[n]], **common)
+                               ring_buffers=swa.ring_buffers[:n], **ring, **common)
+            # The streams are ring rows only (``sglang_pool.ring_layouts``): no window columns.
+            streams = SlotStore([LayerLayout.of([])], num_slots, buffers=[window[0][:, :0]],
+                                ring_layouts=streams_layouts(cfg), ring_buffers=swa.ring_buffers[n:], **ring,
+                                **common)
             # The MTP layers' rows past the target layers' are its draft scratch (``sglang_pool``).
-            mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n + 1:], **common,
+            mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n:], **common,
                              window_scratch_rows=window[-1].shape[0] - window[0].shape[0])
                    if len(self.model.mtp) else None)
             self._stores = (target, mtp, streams)
@@ -211,7 +215,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
         batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps, entry_out)
         out = self.model(batch, store, logits_rows=no_rows).streams
-        streams.write(0, "h", out_slots, out.flatten(1))
+        streams.write(0, "h", streams.ring_write_slots(out_slots), out.flatten(1))
         self.last_streams = out
         final = self.model.norm(self.model.hc_head(out))
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)

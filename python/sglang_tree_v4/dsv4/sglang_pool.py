@@ -2,20 +2,20 @@
 per compression block of every committed token range, each layer as wide as its own pieces.
 
 Why: most per-token state is needed only for a window -- window keys (``window`` positions back), compressor rows
-(one block back), the MTP's window keys and input streams (its catch-up reads at most a window back). Only the
+and states (a few positions back), the MTP's window keys (a window back) and input streams (D back). Only the
 compressed entries are read for ever, one per ``r`` tokens. SGLang's hybrid SWA pool has the two lifetimes: every
 token slot has a "full" slot, and an "SWA" row (a second index space reached through ``full_to_swa_index_mapping``)
 that its scheduler frees once the position falls out of the window, while its radix cache keeps a cached prefix's
 last window (and matches a prefix only where that window is still there). Allocation, eviction and the radix cache
 are SGLang's; this module only names the layers and carves the buffers.
 
-Compressor rows and states: a CSA block-closing query reads its layer's compressor rows ``2r - 1 = 7`` positions
-back, an HCA query its layer's running state one position back (``hca_compressor``; fp32 whatever the pool's dtype),
-so the window sub-pool keeps them in ring buffers of ``ring_period`` rows per page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``)
-beside the window layers: a page's ring rows live and die with the page (radix cache and eviction included), its
+Compressor rows and states, streams: a CSA block-closing query reads its layer's compressor rows ``2r - 1 = 7``
+positions back, an HCA query its layer's running state one position back (``hca_compressor``; fp32 whatever the
+pool's dtype), the MTP's catch-up the target's streams at most D positions back (``mtp_drafter``: a prefill round
+runs the MTP over its own streams), so the window sub-pool keeps them in ring buffers of ``ring_period`` rows per
+page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``) beside the window layers: a page's ring rows live and die with the page (radix cache and eviction included), its
 last positions' rows stay for the next page and a radix match at its end, and the accepted-token move carries them.
-At V4-Flash they were 107,520 (CSA) and 40,960 (HCA rows) of a window row's 226,394 bytes; now 26,880 (a
-window row's share of the ring) of 101,594.
+At V4-Flash they were 107,520 (CSA), 40,960 (HCA rows) and 32,768 (streams) of a window row's 226,394 bytes.
 
 Entries: SGLang's pages are whole blocks of every ratio (``state_page_size``), and a paged allocator puts position
 ``p`` of a request at an offset ``p mod page`` of one of its pages, so the block of a slot is ``slot // r`` and the
@@ -26,8 +26,8 @@ position's own slot (``sglang_model.tree_entry_slots``). SGLang's ``move_kv_cach
 worker copies accepted entries out of the scratch. The MTP layers' window buffers likewise end in the draft trees'
 MTP scratch (running requests x K (S - 1) rows, ``mtp_drafter``), so a round reserves only its D verify slots.
 
-Pool layers (SGLang layer ids): first the window layers -- the target layers' window rows, the streams row, the
-MTP layers' rows -- then one entry layer per compressed target layer. SGLang gives every layer of a sub-pool the
+Pool layers (SGLang layer ids): first the window layers -- the target layers' window rows, the MTP layers' rows --
+then one entry layer per compressed target layer (the ring buffers are the window sub-pool's own tensors). SGLang gives every layer of a sub-pool the
 same ``head_dim``; our pool class instead gives layer ``i`` its own width and rows (K buffers ``[rows, 1, width]``,
 one-column V buffers per slot, which SGLang insists on and nothing uses). SGLang sizes the pool before building it,
 from the config our override hands it: ``head_dim`` (full) is the entry columns per token (``sum width / r``) and
@@ -53,19 +53,24 @@ WINDOW_LABEL, TOKEN_LABEL = "SWA", "Full"  # SGLang's allocation labels of the t
 
 
 def window_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Window-row layers: the target layers (without their ring pieces), the streams, the MTP layers."""
-    return [lay.width for lay in paged_layouts(cfg)[0] + streams_layouts(cfg) + mtp_layouts(cfg)]
+    """Window-row layers: the target layers (without their ring pieces), the MTP layers."""
+    return [lay.width for lay in paged_layouts(cfg)[0] + mtp_layouts(cfg)]
+
+
+def ring_layouts(cfg: DSV4Config) -> list:
+    """Ring-row layouts: every target layer's (a CSA layer's compressor rows, an HCA layer's running state; empty
+    for a sliding-window layer), then the MTP's input streams."""
+    return paged_layouts(cfg)[1] + streams_layouts(cfg)
 
 
 def ring_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Ring-row width of every target layer (a CSA layer's compressor rows, an HCA layer's running state; 0 for a
-    sliding-window layer)."""
-    return [lay.width for lay in paged_layouts(cfg)[1]]
+    """Width of each ``ring_layouts`` buffer."""
+    return [lay.width for lay in ring_layouts(cfg)]
 
 
 def ring_layer_dtypes(cfg: DSV4Config) -> list[torch.dtype | None]:
-    """Each ring layer's own dtype (an HCA layer's state: fp32), None where it is the pool's."""
-    return [lay.dtype for lay in paged_layouts(cfg)[1]]
+    """Each ring buffer's own dtype (an HCA layer's state: fp32), None where it is the pool's."""
+    return [lay.dtype for lay in ring_layouts(cfg)]
 
 
 def ring_layer_columns(cfg: DSV4Config, itemsize: int) -> list[float]:
@@ -77,7 +82,7 @@ def ring_layer_columns(cfg: DSV4Config, itemsize: int) -> list[float]:
 def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int, itemsize: int) -> int:
     """The window sub-pool's ``head_dim`` SGLang sizes it with (``pool_head_dim``) for a pool dtype of ``itemsize``
     bytes: the window layers' mean width plus the ring rows' columns per window row (``ring_period / page`` of a
-    row per compressed layer)."""
+    row per ring buffer)."""
     window, ring = window_layer_widths(cfg), ring_layer_columns(cfg, itemsize)
     period = ring_period(cfg, page, draft_tokens)
     return pool_head_dim([w + (sum(ring) * period / page if i == 0 else 0) for i, w in enumerate(window)])
@@ -186,9 +191,9 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
     has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows, window layer ``i`` a row per
     slot and then ``window_scratch_rows[i]`` (the MTP's draft scratch). The window sub-pool also keeps
-    ``ring_buffers``, one per target layer ``ring_widths[i]`` wide (of ``ring_dtypes[i]``, None: the pool's), of
-    ``ring_period_of(page)`` rows per page
-    (``ring_period``; ``storage.SlotStore``'s ring rows), moved with their window rows. With an ``entry_format``
+    ``ring_buffers``, one per ``ring_layouts`` entry ``ring_widths[i]`` wide (of ``ring_dtypes[i]``, None: the
+    pool's), of ``ring_period_of(page)`` rows per page (``ring_period``; ``storage.SlotStore``'s ring rows), moved
+    with their window rows. With an ``entry_format``
     (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
     keep the pool's dtype."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -232,8 +237,8 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
             self.ring_period = ring_period_of(self.page_size) if any(ring) else None
             ring_rows = slots // self.page_size * self.ring_period if self.ring_period else 0
             if any(ring):
-                logger.info("TREE_V4 compressor rows and states: %d per page of %d window rows", self.ring_period,
-                            self.page_size)
+                logger.info("TREE_V4 ring rows (compressor rows and states, MTP input streams): %d per page of %d "
+                            "window rows", self.ring_period, self.page_size)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
                 self.k_buffer = [torch.zeros((n, 1, w), dtype=dtype, device=self.device)
                                  for n, w in zip(rows, widths)]

@@ -120,12 +120,13 @@ def paged_layouts(cfg: DSV4Config) -> tuple[list[LayerLayout], list[LayerLayout]
 
 def ring_period(cfg: DSV4Config, page: int, draft_tokens: int) -> int:
     """Ring rows per page: the smallest divisor of ``page`` that holds the committed rows a query reads back (a
-    CSA block-closing query: ``2r - 1`` positions; an HCA query: the previous position's state) together with the
-    ``draft_tokens`` rows a verify forward writes after them, so that no node's row lands on a committed row still
-    to be read. ``page`` itself (a row per slot) where nothing smaller does."""
+    CSA block-closing query: ``2r - 1`` positions; an HCA query: the previous position's state; under speculation
+    the MTP's catch-up: the target's streams of at most ``draft_tokens`` positions, ``mtp_drafter``) together with
+    the ``draft_tokens`` rows a verify forward writes after them, so that no node's row lands on a committed row
+    still to be read. ``page`` itself (a row per slot) where nothing smaller does."""
     back = [RING_READ_BACK[t](cfg) for t in sorted({cfg.layer_type(i) for i in range(cfg.num_layers)})
             if t in RING_READ_BACK]
-    need = max(back, default=0) + max(draft_tokens, 1)
+    need = max(back + [draft_tokens if draft_tokens > 1 else 0]) + max(draft_tokens, 1)
     return next(d for d in range(1, page + 1) if page % d == 0 and d >= min(need, page))
 
 
@@ -138,7 +139,8 @@ def mtp_layouts(cfg: DSV4Config) -> list[LayerLayout]:
 
 
 def streams_layouts(cfg: DSV4Config) -> list[LayerLayout]:
-    """The last block's streams (before the HC head), the MTP's hidden input: one window row per position."""
+    """The last block's streams (before the HC head), the MTP's hidden input: a row per position (in SGLang's pool
+    a ring row: the MTP reads them at most D positions back, ``ring_period``)."""
     return [LayerLayout.of([("h", cfg.hc_mult * cfg.hidden_size)])]
 
 

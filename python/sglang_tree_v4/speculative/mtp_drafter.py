@@ -4,8 +4,10 @@ Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the c
 ``p`` runs at ``p - 1`` with the node's token and its parent's hidden streams. For a round over committed length
 ``L`` with root (bonus) token ``b`` at position ``L``:
 
+* ``catch_up_prefill`` runs in a prefill round, over the prompt's last window, from the streams that forward
+  produced (the pool keeps only a few per page).
 * ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
-  the target's streams from their slots. Its last query is the root's draft: children logits and hidden. Where it
+  the target's streams from their slots (at most D positions back). Its last query is the root's draft: children logits and hidden. Where it
   starts: ``catch_up_start`` (at most ``D`` positions back after steps without speculation, the MTP's window then
   masked below them by ``mtp_window_from``).
   ``catch_up_fixed`` does the same over the last C positions of every request, with shapes fixed by (B, C).
@@ -55,11 +57,57 @@ def catch_up_fixed(model, mtp_store: SlotStore, streams: SlotStore, req_table: t
     return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_tokens.flatten(), last)
 
 
+def prefill_span(a: int, b: int, known: int, window: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` whose MTP rows a prefill forward over ``[a, b)`` computes from the streams it produced,
+    for a sequence of ``known`` tokens (a position's row needs the token after it).
+
+    The last ``window`` positions of the chunk (earlier ones no later query of the MTP reads, unless a later chunk
+    is shorter than the window, and then it starts at this chunk's end), from ``a - 1`` on: the position before
+    the chunk, whose row needs the chunk's first token (its stream is one position back, in the ring). A final
+    chunk stops before its last position, whose row needs the token the prefill samples (the next round's
+    catch-up)."""
+    lo = max(a - 1, b - window, 0)
+    return lo, max(lo, min(b, known - 1))
+
+
+def catch_up_prefill(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor,
+                     chunks: list[tuple[int, int]], spans: list[tuple[int, int]], own: torch.Tensor,
+                     tokens: list) -> None:
+    """The MTP rows of a prefill round, from the streams its forward produced (``own [sum(b - a), hc, D]``, the
+    requests' chunks ``[a, b)`` in order): no stream is read back from further than one position before a chunk,
+    so the pool keeps only a few per page (``storage.ring_period``).
+
+    Request ``i`` gets rows ``spans[i] = [lo, hi)`` (``prefill_span``) from its known tokens ``tokens[i]``; the
+    stream of a position before its chunk comes from ``streams``."""
+    positions, query_req, next_ids, rows, starts = [], [], [], [], []
+    offset = 0
+    for i, ((a, b), (lo, hi), toks) in enumerate(zip(chunks, spans, tokens)):
+        positions += range(lo, hi)
+        query_req += [i] * (hi - lo)
+        next_ids += [toks[p + 1] for p in range(lo, hi)]
+        rows += [offset + p - a for p in range(lo, hi)]
+        starts += [a] * (hi - lo)
+        offset += b - a
+    if not positions:
+        return
+    device = req_table.device
+    positions, query_req, rows, starts = (torch.tensor(x, device=device) for x in (positions, query_req, rows, starts))
+    out_slots = req_table[query_req, positions]
+    hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size
+    stored = streams.read(0, "h", out_slots).view(-1, hc, hidden)
+    h = torch.where((positions >= starts)[:, None, None], own[rows.clamp(min=0)].to(stored.dtype), stored)
+    batch = ForwardBatch(torch.tensor(next_ids, device=device).long(), positions, out_slots,
+                         SlotTable.for_requests(req_table, query_req, positions))
+    mtp_forward(model, batch, h.to(model.embed.weight.dtype), mtp_store,
+                logits_rows=torch.empty(0, dtype=torch.long, device=device))
+
+
 def catch_up_start(mtp_len: int, prefill_len: int, L: int, window: int, cap: int) -> tuple[int, bool]:
     """Where the MTP's catch-up of a request at committed length ``L`` starts, and whether it leaves a gap.
 
-    Right after a prefill (no MTP rows yet, ``L`` at most ``cap`` past the prompt) it covers the prompt's last
-    window, once per request. Otherwise the positions since ``mtp_len`` -- or, when steps without speculation left
+    Right after a prefill the prefill round has run it up to the prompt's last position (``catch_up_prefill``),
+    so it covers that one (or, for a one-token prompt, ``mtp_len`` being 0, from ``prefill_len``'s window start).
+    Otherwise the positions since ``mtp_len`` -- or, when steps without speculation left
     more than ``cap`` of them, only the last ``cap``: the MTP's window then starts there (a gap below it is masked,
     not read as stale rows), which costs its first drafts a little context and spares a catch-up over a whole window
     whenever speculation resumes (the adaptive budget's explorations among steps without it)."""

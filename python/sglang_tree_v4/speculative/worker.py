@@ -3,7 +3,8 @@
 A decode round, per batch:
 
 1. the MTP catches up on the positions committed since it last ran and drafts the root's children: after a
-   prefill over the prompt's last window; after steps without speculation over the last D positions only (the
+   prefill over the prompt's last position (the prefill round ran it over the prompt's last window from the streams
+   its forward produced, ``catch_up_prefill``); after steps without speculation over the last D positions only (the
    positions it skipped before them are masked out of its window, ``mtp_window_from``), so resuming speculation
    costs a round, not a window's catch-up; ``build_draft_tree`` expands the tree with the MTP over its draft scratch rows (EAGLE-2: top-K frontier, S
    steps, rerank to D nodes);
@@ -21,7 +22,7 @@ round's accepted tokens are read from the batch's ``spec_info`` until they reach
 (``_pending_tokens``). A round needs D slots past the committed length, inside SGLang's speculative reservation
 (twice max(D, K S) past the committed length it knows, which lags by at most one round's D).
 
-Prefill rounds are plain target forwards.
+Prefill rounds are plain target forwards, then the MTP over each chunk's last window (``_prefill_mtp``).
 
 Without shape flags the budget is adaptive (``adaptive_budget``): before step 1 the worker picks this step's shape
 (D, S), possibly "no speculation" (the root alone is verified, i.e. ordinary decoding, and the MTP skips the step;
@@ -49,7 +50,8 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
-from .mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_start, mtp_window_from
+from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
+                          mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -58,6 +60,7 @@ ACTIVE: list["TreeV4Worker"] = []  # this scheduler process's worker (read by th
 MTP_LEN_ATTR = "tree_v4_mtp_len"  # per request: positions whose MTP rows are current
 MTP_FROM_ATTR = "tree_v4_mtp_from"  # per request: the first position the MTP's window may read (rows since then)
 PREFILL_LEN_ATTR = "tree_v4_prefill_len"  # per request: its length after its last prefill round
+PREFILLED_TO_ATTR = "tree_v4_prefilled_to"  # per request: where its last prefill chunk ended (None once decoding)
 
 
 def request_score_temperatures(fitted: float, temperatures: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
@@ -147,13 +150,10 @@ class TreeV4Worker(BaseSpecWorker):
 
     # --- prefill -------------------------------------------------------------------------------------------
     def _prefill_round(self, batch, on_publish, pp_proxy_tensors):
-        lens = getattr(batch, "seq_lens_cpu", None)
-        for req, L in zip(batch.reqs, (batch.seq_lens if lens is None else lens).tolist()):  # slots may be new (retraction, radix hit): the
-            setattr(req, MTP_LEN_ATTR, 0)                          # MTP rows are rebuilt next round
-            setattr(req, MTP_FROM_ATTR, 0)
-            setattr(req, PREFILL_LEN_ATTR, L)
         self._last_round_end = None  # the next decode round's time must not include this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        if batch.forward_mode.is_extend() and batch.reqs:
+            self._prefill_mtp(batch)
         bs, D = len(batch.reqs), self.budget.draft_tokens
         accept_tokens = torch.zeros(bs, D, dtype=torch.int32, device=self.device)
         accept_tokens[:, 0] = result.next_token_ids
@@ -167,6 +167,32 @@ class TreeV4Worker(BaseSpecWorker):
             next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
                                               accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
             speculative_num_draft_tokens=D)
+
+    def _prefill_mtp(self, batch) -> None:
+        """The MTP's rows over each chunk's last window, from the streams the prefill forward just produced
+        (``catch_up_prefill``): the pool keeps a few streams per page, not a window of them. A chunk that does not
+        continue the request's previous one (a radix hit, a retraction's new slots) starts the MTP's window at its
+        first position's predecessor: the rows below it may never have been computed."""
+        model = self.adapter.model
+        _, mtp_store, streams = self.adapter.stores()
+        chunks = [(a, a + n) for a, n in zip(batch.prefix_lens, batch.extend_lens)]
+        tokens, spans = [], []
+        for req, (a, b) in zip(batch.reqs, chunks):
+            known = list(req.origin_input_ids) + list(req.output_ids)
+            lo, hi = prefill_span(a, b, len(known), model.cfg.window)
+            if getattr(req, PREFILLED_TO_ATTR, None) != a:  # not a continuation
+                setattr(req, MTP_FROM_ATTR, max(a - 1, 0))
+            setattr(req, PREFILLED_TO_ATTR, b)
+            setattr(req, MTP_LEN_ATTR, hi)
+            setattr(req, PREFILL_LEN_ATTR, b)
+            tokens.append(known)
+            spans.append((lo, hi))
+        req_table = self.req_to_token_pool.req_to_token[batch.req_pool_indices].long()
+        req_table = mtp_window_from(req_table, [getattr(req, MTP_FROM_ATTR, 0) for req in batch.reqs])
+        own = self.adapter.last_streams
+        if own is None or own.shape[0] != sum(b - a for a, b in chunks):
+            raise RuntimeError("TREE_V4: the prefill forward's streams do not match the batch's chunks")
+        catch_up_prefill(model, mtp_store, streams, req_table, chunks, spans, own, tokens)
 
     # --- decode: draft, verify, accept, commit --------------------------------------------------------------
     def _draft(self, batch, D: int, S: int) -> DraftTree:
@@ -197,6 +223,7 @@ class TreeV4Worker(BaseSpecWorker):
             next_tokens.append(_tokens_between(req.origin_input_ids, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
+            setattr(req, PREFILLED_TO_ATTR, None)
             if req.kv.kv_allocated_len < L + D:
                 raise RuntimeError("TREE_V4: fewer reserved KV slots than the verify block needs")
         if fixed:

@@ -13,6 +13,8 @@ after it is first imported, before anyone binds its names. The product code carr
   (``sglang_pool.retained_window``).
 * ``ring_stored_only``: a block-closing query reads every CSA compressor row from the ring, none from its own
   forward's values, so a prefill that wraps its ring pools rows it overwrote (``compressor``).
+* ``no_prefill_mtp``: prefill rounds skip the MTP over the prompt's last window (``catch_up_prefill``), so the
+  first drafts read MTP rows that were never written.
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
@@ -81,6 +83,10 @@ def _ring_stored_only(compressor) -> None:
     compressor.find = find
 
 
+def _no_prefill_mtp(worker) -> None:
+    worker.catch_up_prefill = lambda *args, **kwargs: None
+
+
 def _cycle_shapes(adaptive) -> None:
     def choose(self, batch):
         self.steps += 1
@@ -100,6 +106,7 @@ PATCHES = {
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
     "short_window": ("sglang_tree_v4.dsv4.sglang_pool", _short_window),
     "ring_stored_only": ("sglang_tree_v4.dsv4.compressor", _ring_stored_only),
+    "no_prefill_mtp": ("sglang_tree_v4.speculative.worker", _no_prefill_mtp),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
     "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
 }
