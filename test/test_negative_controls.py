@@ -7,7 +7,7 @@ still passed here could not see the bug it is named after.
 * an acceptance biased by 2 %                -> the sampled-losslessness statistic leaves its band;
 * window rows kept one page short            -> served tokens are not the model's (``test_window_retention.py``);
 * CSA compressor rows read only from the ring  -> the same check fails (pages of 64, a ring of 16);
-* prefill rounds without the MTP's catch-up   -> served acceptance leaves the offline loop's.
+* the MTP reading the stream one position back -> served acceptance leaves the offline loop's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from test_tree_v4_serving import COMMON, EMBEDDED, NEW_TOKENS, SAMPLED_TOKENS, S
 from test_window_retention import EARLIEST_EVICTION, RING_PAGES
 
 pytestmark = pytest.mark.server
-MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only", "no_prefill_mtp")
+MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only", "stream_off_by_one")
 ENV = {"short_window": EARLIEST_EVICTION}
 ARGS = {"ring_stored_only": RING_PAGES}
 
@@ -88,8 +88,8 @@ def test_ring_stored_only_fails_the_window_check(mutated, target_model):
     assert bad, "the window check did not see compressor rows a prefill overwrote in its ring"
 
 
-def test_no_prefill_mtp_fails_the_acceptance_check(mutated, target_model):
-    server = mutated["no_prefill_mtp"]
+def test_stream_off_by_one_fails_the_acceptance_check(mutated, target_model):
+    server = mutated["stream_off_by_one"]
     items = checks.eval_prompts(server)[:8]
     outs = checks.run_all(server, items, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
     ratios = checks.acceptance_vs_offline(server, target_model, EMBEDDED, TREE, items, outs, NEW_TOKENS)

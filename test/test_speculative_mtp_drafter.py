@@ -158,6 +158,18 @@ def test_a_catch_up_after_a_gap_reads_no_row_of_the_gap():
 PROMPT_LEN = 45
 
 
+def test_prefill_span():
+    """Rows a prefill chunk [a, b) computes: its last window, from the position before it, stopping before a
+    final chunk's last position (its row needs the token the prefill samples)."""
+    W = 16
+    assert prefill_span(0, 45, 45, W) == (29, 44)  # whole prompt: its last window but the last position
+    assert prefill_span(0, 20, 45, W) == (4, 20)  # a first chunk: its last window, through its end
+    assert prefill_span(20, 45, 45, W) == (29, 44)
+    assert prefill_span(40, 45, 45, W) == (39, 44)  # a short chunk reaches back one position
+    assert prefill_span(32, 33, 33, W) == (31, 32)  # a radix hit up to the last token: the position before it
+    assert prefill_span(0, 1, 1, W) == (0, 0)  # a one-token prompt: nothing before the sampled token
+
+
 def _prefill_with_mtp(model, chunks, from_chunk, poison_before):
     """The server's prefill rounds on a runner: each chunk's target forward, its streams into a store in which every
     stream more than one position before the next chunk is NaN (what the pool's few ring rows per page no longer

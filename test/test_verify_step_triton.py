@@ -71,8 +71,9 @@ def _child() -> None:
         out = verify_step(model, runner.store, runner.req_table, torch.tensor(rids), torch.tensor(lens), tree,
                           scratch, scratch, StepCaps(64), params, coins)
         results[backend] = (out, runner.store.rows(scratch.flatten()))
-    # every attention layer (4) and every compressor (CSA x 2 with its indexer's, HCA) ran the kernel
-    assert calls == {"attention": 4, "compress": 5}, calls
+    # every attention layer (4) and every CSA compressor (2, with its indexer's) ran the kernel; the HCA layer folds
+    # its running state in torch (``hca_compressor``)
+    assert calls == {"attention": 4, "compress": 4}, calls
     ref, tri = results["torch"][0], results["triton"][0]
     valid = tree.valid_mask()
     err = ((tri.logits[valid] - ref.logits[valid]).abs().amax() / ref.logits[valid].abs().amax()).item()

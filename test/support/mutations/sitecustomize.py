@@ -13,8 +13,8 @@ after it is first imported, before anyone binds its names. The product code carr
   (``sglang_pool.retained_window``).
 * ``ring_stored_only``: a block-closing query reads every CSA compressor row from the ring, none from its own
   forward's values, so a prefill that wraps its ring pools rows it overwrote (``compressor``).
-* ``no_prefill_mtp``: prefill rounds skip the MTP over the prompt's last window (``catch_up_prefill``), so the
-  first drafts read MTP rows that were never written.
+* ``stream_off_by_one``: the MTP's catch-ups read each position's target stream from the position before it
+  (what a wrong ring-row mapping of the streams would do, ``mtp_drafter``).
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
@@ -83,8 +83,19 @@ def _ring_stored_only(compressor) -> None:
     compressor.find = find
 
 
-def _no_prefill_mtp(worker) -> None:
-    worker.catch_up_prefill = lambda *args, **kwargs: None
+def _stream_off_by_one(drafter) -> None:
+    original = drafter._mtp_rows
+
+    def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, last):
+        earlier = req_table[query_req, (positions - 1).clamp(min=0)]
+
+        class Late:
+            def read(self, layer, piece, slots):
+                return streams.read(layer, piece, earlier)
+
+        return original(model, mtp_store, Late(), req_table, positions, query_req, next_ids, last)
+
+    drafter._mtp_rows = _mtp_rows
 
 
 def _cycle_shapes(adaptive) -> None:
@@ -106,7 +117,7 @@ PATCHES = {
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
     "short_window": ("sglang_tree_v4.dsv4.sglang_pool", _short_window),
     "ring_stored_only": ("sglang_tree_v4.dsv4.compressor", _ring_stored_only),
-    "no_prefill_mtp": ("sglang_tree_v4.speculative.worker", _no_prefill_mtp),
+    "stream_off_by_one": ("sglang_tree_v4.speculative.mtp_drafter", _stream_off_by_one),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
     "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
 }
