@@ -33,14 +33,14 @@ import torch
 
 from .dsv4.config import CSA, HCA, DSV4Config
 from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
-                               state_page_size, token_layer_widths)
+                               ring_layouts, state_page_size, token_layer_widths)
 from .dsv4.mtp import draft_scratch_rows
 from .dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
 from .speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "cstate": "compressor_rows",
-                 "entry": "compressed_entries",
+                 "h": "mtp_input_streams", "entry": "compressed_entries",
                  "ientry": "compressed_entries"}
 # --kv-cache-dtype -> (the pool's dtype, None: the model's; how entries are kept, None: in the pool's dtype)
 KV_CACHE_DTYPES = {"auto": (None, None), "bfloat16": (torch.bfloat16, None), "bf16": (torch.bfloat16, None),
@@ -87,19 +87,17 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
     def add(row: str, kind: str, cols: float, itemsize: int | None = None) -> None:
         kinds[row][kind] = kinds[row].get(kind, 0) + cols * (itemsize or size)
 
-    window_layouts, ring_layouts = paged_layouts(cfg)
     page = state_page_size(cfg)
-    for layout in window_layouts:
+    for layout in paged_layouts(cfg)[0]:
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w)
     share = ring_period(cfg, page, verify_tokens) / page
-    for layout in ring_layouts:
+    for layout in ring_layouts(cfg):  # the pool's ring buffers: compressor rows and states, the MTP's streams
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w * share, layout.dtype.itemsize if layout.dtype else None)
     for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))
-    add("window", "mtp_input_streams", cfg.hc_mult * cfg.hidden_size * share)
     for layout in mtp_layouts(cfg):
         add("window", "mtp_window_kv", layout.pieces["k"][1])
     pattern = pool_config.hybrid_layer_pattern

@@ -7,10 +7,10 @@ Query i at position p attends, with one softmax that also includes a learned per
   put them (``SlotStore``) -- all of them for HCA, the indexer's top-k of them for CSA.
 
 Before reading, every query writes its own key and compressor rows (an HCA layer: its running pooling state,
-``hca_compressor``) to its own slot, then block-closing queries write their entries: that order lets queries of one forward (a prefill chunk, a draft tree) read each other
-through their tables. The attention output's rope slice is rotated back by -p (V carried the key rotation), then
-the grouped low-rank output projection: heads in ``o_groups`` groups, each projected to ``o_lora_rank`` (wo_a),
-concatenated, projected to hidden (wo_b).
+``hca_compressor``) to its own slot, then block-closing queries write their entries: that order lets queries of
+one forward (a prefill chunk, a draft tree) read each other through their tables. The attention output's rope
+slice is rotated back by -p (V carried the key rotation), then the grouped low-rank output projection: heads in
+``o_groups`` groups, each projected to ``o_lora_rank`` (wo_a), concatenated, projected to hidden (wo_b).
 """
 from __future__ import annotations
 
@@ -64,15 +64,13 @@ class Attention(nn.Module):
         q = rope.rotate(q, cos[:, None], sin[:, None])
         k = rope.rotate(self.kv_norm(self.wkv(x)), cos, sin)
 
-        # 1) own rows only
+        # 1) own rows only: the key, the compressor rows or state; 2) then the entries of block-closing queries
         store.write(layer, "k", fb.out_slots, k)
-        if self.layer_type == HCA:  # its running state, and the entries of block-closing queries
+        if self.layer_type == HCA:
             self.compressor.update(x, fb, store, layer, rope)
         if self.indexer is not None:
             own = self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
             own_index = self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
-        # 2) CSA: entries of block-closing queries
-        if self.indexer is not None:
             self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry", own)
             self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry", own_index)
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)

@@ -53,18 +53,19 @@ class Compressor(nn.Module):
     def close_blocks(self, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope, kv: str, score: str,
                      entry: str, own: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Compute and store the entries of the queries that close a block (rows already written; ``own``: what
-        ``write_rows`` returned)."""
+        ``write_rows`` returned). Overlapping (CSA) compressors only: an HCA layer pools by its running state
+        (``HcaCompressor.update``)."""
+        if not self.overlap:
+            raise ValueError("close_blocks pools overlapping (CSA) windows; HCA layers use HcaCompressor.update")
         r, d = self.ratio, self.d
-        span = 2 * r if self.overlap else r
+        span = 2 * r
         closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
         if closers.numel() == 0:
             return
         p = fb.positions[closers]
-        if self.overlap:  # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves
-            col_off = torch.arange(2 * r, device=p.device).ge(r).long() * d  # no host-to-device copy
-            ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
-        else:
-            col_off, ape = torch.zeros(r, dtype=torch.long, device=p.device), self.ape
+        # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves
+        col_off = torch.arange(2 * r, device=p.device).ge(r).long() * d  # no host-to-device copy
+        ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
         cos, sin = rope.cos_sin(((p + 1) // r - 1) * r)  # RoPE at the entry's first position
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
         if store.in_ring(layer, kv):

@@ -13,7 +13,8 @@ Compressor rows and states, streams: a CSA block-closing query reads its layer's
 positions back, an HCA query its layer's running state one position back (``hca_compressor``; fp32 whatever the
 pool's dtype), the MTP's catch-up the target's streams at most D positions back (``mtp_drafter``: a prefill round
 runs the MTP over its own streams), so the window sub-pool keeps them in ring buffers of ``ring_period`` rows per
-page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``) beside the window layers: a page's ring rows live and die with the page (radix cache and eviction included), its
+page (16 of 128 at V4-Flash with D = 8, ``storage.ring_period``) beside the window layers: a page's ring rows
+live and die with the page (radix cache and eviction included), its
 last positions' rows stay for the next page and a radix match at its end, and the accepted-token move carries them.
 At V4-Flash they were 107,520 (CSA), 40,960 (HCA rows) and 32,768 (streams) of a window row's 226,394 bytes.
 
@@ -27,7 +28,8 @@ worker copies accepted entries out of the scratch. The MTP layers' window buffer
 MTP scratch (running requests x K (S - 1) rows, ``mtp_drafter``), so a round reserves only its D verify slots.
 
 Pool layers (SGLang layer ids): first the window layers -- the target layers' window rows, the MTP layers' rows --
-then one entry layer per compressed target layer (the ring buffers are the window sub-pool's own tensors). SGLang gives every layer of a sub-pool the
+then one entry layer per compressed target layer (the ring buffers are the window sub-pool's own tensors). SGLang
+gives every layer of a sub-pool the
 same ``head_dim``; our pool class instead gives layer ``i`` its own width and rows (K buffers ``[rows, 1, width]``,
 one-column V buffers per slot, which SGLang insists on and nothing uses). SGLang sizes the pool before building it,
 from the config our override hands it: ``head_dim`` (full) is the entry columns per token (``sum width / r``) and

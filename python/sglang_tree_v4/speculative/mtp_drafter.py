@@ -7,7 +7,8 @@ Positions follow the MTP convention of ``dsv4.mtp``: the query that drafts the c
 * ``catch_up_prefill`` runs in a prefill round, over the prompt's last window, from the streams that forward
   produced (the pool keeps only a few per page).
 * ``catch_up`` brings each request's committed MTP rows up to position ``L - 1`` (the last row uses ``b``), reading
-  the target's streams from their slots (at most D positions back). Its last query is the root's draft: children logits and hidden. Where it
+  the target's streams from their slots (at most D positions back). Its last query is the root's draft: children
+  logits and hidden. Where it
   starts: ``catch_up_start`` (at most ``D`` positions back after steps without speculation, the MTP's window then
   masked below them by ``mtp_window_from``).
   ``catch_up_fixed`` does the same over the last C positions of every request, with shapes fixed by (B, C).

@@ -6,8 +6,8 @@ A decode round, per batch:
    prefill over the prompt's last position (the prefill round ran it over the prompt's last window from the streams
    its forward produced, ``catch_up_prefill``); after steps without speculation over the last D positions only (the
    positions it skipped before them are masked out of its window, ``mtp_window_from``), so resuming speculation
-   costs a round, not a window's catch-up; ``build_draft_tree`` expands the tree with the MTP over its draft scratch rows (EAGLE-2: top-K frontier, S
-   steps, rerank to D nodes);
+   costs a round, not a window's catch-up; ``build_draft_tree`` expands the tree with the MTP over its draft
+   scratch rows (EAGLE-2: top-K frontier, S steps, rerank to D nodes);
 2. the target verifies all D nodes of every request in one forward (``TARGET_VERIFY``; our model reads each node's
    ancestry from the tree mask, writes only the node's own verify slot);
 3. the tree core accepts the longest matching path (greedy) or runs lossless multi-branch speculative sampling
