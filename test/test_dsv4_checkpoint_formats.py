@@ -210,9 +210,10 @@ def test_footprint_state_of_the_published_v4_flash_config():
     about 3.85 KB per token.
 
     With ``--kv-cache-dtype fp8_e4m3`` the entries are upstream's fp8 bytes -- 584 per entry (448 e4m3, 64 bf16
-    rope channels, 7 scales, 1 pad), 132 per index key (128 e4m3, a 4-byte scale) -- and the window rows stay bf16:
-    3,932.25 bytes per token, the entries' 3,850.25 (upstream's slope) plus the V columns. An unsupported KV dtype
-    is refused, naming the flag."""
+    rope channels, 7 scales, 1 pad), 132 per index key (128 e4m3, a 4-byte scale) -- and so are the 43 target
+    layers' window keys (584 each; the MTP's key, the compressor rows and the streams keep their dtypes): 3,932.25
+    bytes per token, the entries' 3,850.25 (upstream's slope) plus the V columns, a window row 54,000 bytes and at
+    most 15.5 MB per running request (below 16 MiB). An unsupported KV dtype is refused, naming the flag."""
     from pathlib import Path
     config = str(Path(__file__).resolve().parents[1] / "data" / "deepseek_v4_flash_config.json")
     r = _footprint(config, "--tp", "4", "--tokens", "1000000", "--requests", "64", "--context-length", "131072")
@@ -240,10 +241,14 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert fp8_entries == 3850.25 and fp8["state_bytes_per_token"] == fp8_entries + 41 * 2 <= 4000
     assert abs(fp8_entries - fp8["upstream_fp8_state_bytes_per_token"]) < 0.1
     assert fp8["state_bytes_by_kind"]["compressed_entries"] == round(fp8_entries * (1_000_000 + 64 * 135))
-    assert fp8["window_row_bytes"] == window_row and fp8["kv_cache_dtype"] == "fp8_e4m3"
+    fp8_window_row = window_row - 43 * (2 * 512 - 584)
+    assert fp8["window_row_bytes"] == fp8_window_row == 54_000 and fp8["kv_cache_dtype"] == "fp8_e4m3"
     assert fp8["tree_scratch_bytes_per_request"] == 8 * (21 * (584 + 132) + 20 * 584) + mtp_scratch
     assert fp8["state_bytes_per_token"] <= 2 * 4000 and r["state_bytes_per_token"] <= 2 * 4000  # bf16: <= 2x
-    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]  # 20.5 vs 41.8 MB
+    assert fp8["state_bytes_per_request"] == round(264 * fp8_window_row + (8 + 127) * fp8["state_bytes_per_token"]
+                                                    + fp8["tree_scratch_bytes_per_request"] + 131072 * 4)
+    assert fp8["state_bytes_per_request"] <= 16 * 2 ** 20  # the issue's bar; upstream's layout: 41.8 MB
+    assert fp8["state_bytes_per_request"] < fp8["upstream_fp8_state_bytes_per_request"]
     bad = subprocess.run([sys.executable, "-m", "sglang_tree_v4.footprint", config, "--tokens", "10",
                           "--kv-cache-dtype", "fp8_e5m2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--kv-cache-dtype fp8_e5m2" in bad.stderr, bad.stderr[-500:]

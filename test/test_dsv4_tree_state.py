@@ -129,7 +129,7 @@ SHAPES8 = lambda rng: [chain(9), star(16), kary(2, 3), kary(3, 2), rand_tree(16,
                        rand_tree(12, 5, rng), chain(16)[:9] + [0, 9, 9, 1, 2, 3, 4]]
 
 
-def run_tree_case(case, shapes, seed, hf_check=0):
+def run_tree_case(case, shapes, seed, hf_check=0, tol=TOL):
     hf, model, runner, prompt, rids = case
     rng = random.Random(seed)
     toks, par, nn = pack(shapes, rng)
@@ -151,7 +151,7 @@ def run_tree_case(case, shapes, seed, hf_check=0):
         n = int(nn[b])
         ref, rid_of = sequential(runner, rid, toks[b], par[b], n)
         oracle_rids += list(rid_of.values())
-        assert rel_err(res.logits[b], ref) <= TOL, f"request {b} (L={int(lens[b])})"
+        assert rel_err(res.logits[b], ref) <= tol, f"request {b} (L={int(lens[b])})"
     for b in range(hf_check):  # deepest node of request b against HF's full forward of prefix + path
         depth, path = tree_paths(par[b:b + 1], nn[b:b + 1])
         node = int(depth[0, : int(nn[b])].argmax())
@@ -173,16 +173,25 @@ def test_verify_matches_sequential_and_is_isolated(hca8, seed):
     release_all(runner, oracle)
 
 
+# fp8 entries and window keys: a key or entry the tree's batch computes a float rounding apart from the one
+# sequential decoding computes (a matmul over D rows against one) can round to the neighbouring e4m3 value, which
+# moves a node's logits by up to about 1.4e-4 here (2e-6 in full precision). Sharing state between siblings, the
+# error verification exists to prevent, moves them by more than 1e-2 (the ablations).
+TOL_FP8 = 1e-3
+
+
 def test_verify_with_fp8_entries_matches_sequential(hca8_fp8):
-    """fp8 entries are a deterministic function of the rows they pool, so a tree node sees the bytes sequential
-    decoding of its path writes: per-node logits agree as with full-precision entries, and verification leaves
-    committed bytes and everything outside its scratch untouched."""
-    kept = [b for b in hca8_fp8[2].store.token_buffers if b.shape[1]]
-    assert kept and all(b.dtype == torch.uint8 for b in kept)
-    tv, toks, par, nn, res, oracle = run_tree_case(hca8_fp8, SHAPES8(random.Random(1)), seed=11)
+    """With the entries and window keys kept as fp8 bytes, a tree node sees what sequential decoding of its path
+    writes, up to the rounding of ``TOL_FP8``; verification leaves committed bytes and everything outside its
+    scratch untouched; and a verify that shares state between siblings is still caught at this tolerance."""
+    store = hca8_fp8[2].store
+    kept = [b for b in store.token_buffers if b.shape[1]]
+    assert kept and all(b.dtype == torch.uint8 for b in kept + store.buffers)
+    tv, toks, par, nn, res, oracle = run_tree_case(hca8_fp8, SHAPES8(random.Random(1)), seed=11, tol=TOL_FP8)
     for r in hca8_fp8[4]:
         tv.rollback(r)
     release_all(hca8_fp8[2], oracle)
+    assert shared_state_error(hca8_fp8) > 10 * TOL_FP8
 
 
 def test_commit_equals_sequential_decoding(hca8):
@@ -211,9 +220,10 @@ def test_commit_equals_sequential_decoding(hca8):
         runner.release(ref)
 
 
-def test_ablation_shared_state_breaks_siblings(hca8):
-    """Same trees, but siblings share a position-indexed slot: some node's logits must differ."""
-    hf, model, runner, prompt, rids = hca8
+def shared_state_error(case) -> float:
+    """The largest per-node logit error against sequential decoding of a verify whose siblings share a
+    position-indexed slot (no isolation)."""
+    hf, model, runner, prompt, rids = case
     rng = random.Random(9)
     shapes = [star(16), kary(2, 3), rand_tree(16, 8, rng)]
     toks, par, nn = pack(shapes, rng)
@@ -228,7 +238,12 @@ def test_ablation_shared_state_breaks_siblings(hca8):
         oracle += list(rid_of.values())
         worst = max(worst, rel_err(bad.logits[b], ref))
     release_all(runner, oracle)
-    assert worst > 1e-2
+    return worst
+
+
+def test_ablation_shared_state_breaks_siblings(hca8):
+    """Same trees, but siblings share a position-indexed slot: some node's logits must differ."""
+    assert shared_state_error(hca8) > 1e-2
 
 
 def test_hca128_boundary_inside_tree():

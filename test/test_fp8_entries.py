@@ -66,20 +66,24 @@ def test_round_trip(codec):
     assert torch.equal(codec.decode(codec.encode(y)), y)  # decoded values are on the grid
 
 
-def test_embedded_model_over_fp8_entries_stays_close_to_full_precision():
-    """The trained embedded model, prefill logits of chat prompts: fp8 entries move them (the fp8 bytes are what
-    attention reads) by a few percent of their range at most, and the entry buffers are uint8."""
+def test_embedded_model_over_fp8_state_stays_close_to_full_precision():
+    """The trained embedded model, prefill logits of chat prompts: fp8 entries and window keys (the fp8 bytes are
+    what attention reads) move them from full precision about as much as running the model in bf16 does (at most
+    1.5x as much, prompt by prompt; measured 0.7-1.1x), and the entry and window-key buffers are uint8."""
     from sglang_tree_v4.dsv4.runner import DSV4Runner
     from sglang_tree_v4.dsv4.weights import load_model
     from support.serving_checks import chat_prompt_ids
 
     model = load_model(str(ROOT / "models" / "tiny-v4"))
+    bf16 = load_model(str(ROOT / "models" / "tiny-v4")).to(torch.bfloat16)
     for ids in chat_prompt_ids(ROOT / "models" / "tiny-v4"):
         logits = {}
-        for fmt in (None, "fp8_e4m3"):
-            runner = DSV4Runner(model, num_slots=1024, max_len=256, max_reqs=2, entry_format=fmt)
+        for name, m, fmt in (("full", model, None), ("fp8_e4m3", model, "fp8_e4m3"), ("bf16", bf16, None)):
+            runner = DSV4Runner(m, num_slots=1024, max_len=256, max_reqs=2, entry_format=fmt)
             rid = runner.add_request()
-            logits[fmt] = runner.extend([rid], [torch.tensor(ids)])[0].logits
-        kept = [b for b in runner.store.token_buffers if b.shape[1]]
-        assert kept and all(b.dtype == torch.uint8 for b in kept)
-        assert 1e-5 < rel_err(logits["fp8_e4m3"], logits[None]) < 0.05
+            logits[name] = runner.extend([rid], [torch.tensor(ids)])[0].logits.float()
+            if fmt:
+                kept = [b for b in runner.store.token_buffers if b.shape[1]]
+                assert kept and all(b.dtype == torch.uint8 for b in kept + runner.store.buffers)
+        fp8, bf = rel_err(logits["fp8_e4m3"], logits["full"]), rel_err(logits["bf16"], logits["full"])
+        assert 1e-5 < fp8 < 1.5 * bf, (fp8, bf)

@@ -1,5 +1,5 @@
-"""TREE_V4 with fp8 entries (``--kv-cache-dtype fp8_e4m3``, upstream's V4 default) on real SGLang servers (CPU):
-every output equals a non-speculative server with the same flag.
+"""TREE_V4 with fp8 entries and window keys (``--kv-cache-dtype fp8_e4m3``, upstream's V4 default) on real SGLang
+servers (CPU): every output equals a non-speculative server with the same flag.
 
 Five servers share the module, all with fp8 entries: on the embedded model no speculation (the ground truth), a
 real tree (K = 3) through the fixed-shape verify step a GPU runs, and the default TREE_V4 (adaptive budget); on the
@@ -7,7 +7,7 @@ embedded model re-written in DeepSeek's published V4-Flash layout (FP8 attention
 the server) no speculation and the tree. Greedy tokens are compared batched (32 mixed requests at once, prompts
 past 400 tokens so HCA and window boundaries fall inside draft trees) and one by one; sampled tokens are scored
 against the fp8 target's own distribution; radix hits, aborts and the pool's free count are checked as for
-full-precision entries. That fp8 entries are really in use: the server's first-token log-probabilities are the
+full-precision entries. That the fp8 state is really in use: the server's first-token log-probabilities are the
 offline fp8 model's, not the full-precision model's.
 """
 
@@ -65,7 +65,8 @@ def batched(servers):
 
 def test_servers_keep_entries_as_fp8(servers):
     for name, server in servers.items():
-        assert "entries kept as fp8_e4m3" in server.log.read_text(), (name, server.log_tail())
+        log = server.log.read_text()
+        assert "entries kept as fp8_e4m3" in log and "window keys kept as fp8_e4m3" in log, (name, server.log_tail())
         info = requests.get(server.url + "/get_server_info", timeout=30).json()
         assert info["kv_cache_dtype"] == "fp8_e4m3"
 

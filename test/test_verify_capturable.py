@@ -26,7 +26,8 @@ from sglang_tree_v4.dsv4.quantize import build_model
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, verify_table
 from sglang_tree_v4.dsv4.sglang_pool import entry_ratios
-from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, StepCaps, model_token_layouts
+from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_token_layouts,
+                                         paged_layouts)
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
 from sglang_tree_v4.dsv4.weights import load_model
@@ -54,7 +55,8 @@ def meta_tree(B: int, D: int) -> DraftTree:
 
 def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format: str | None = None) -> dict:
     """One verify step (greedy and sampled acceptance, commit) and one MTP draft step, all on meta; returns the
-    output shapes. ``entry_format``: how the server's pool keeps the entries (``fp8_e4m3``: as bytes)."""
+    output shapes. ``entry_format``: how the server's pool keeps the entries and window keys (``fp8_e4m3``: as
+    bytes)."""
     cfg = model.cfg
     dt = model.embed.weight.dtype
     slots = 1 << 16
@@ -86,7 +88,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
         assert out.logits.is_meta and out.verdict.tokens.is_meta
     # The server's verify forward over its pool layout: entries one row per block of each ratio and the tree
     # scratch (nodes out of their own slot, ``tree_entry_slots``), then the accepted entries' commit.
-    paged = SlotStore(store.layouts, slots, dt, "meta", ring_layouts=store.ring_layouts,
+    paged = SlotStore(paged_layouts(cfg, entry_format)[0], slots, dt, "meta", ring_layouts=store.ring_layouts,
                       token_layouts=model_token_layouts(cfg, entry_format),
                       window_index=window_index, entry_ratios=entry_ratios(cfg), scratch_rows=B * D)
     mask = torch.empty(B * D * D, dtype=torch.bool, device="meta")
@@ -98,6 +100,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
     commit_accepted_entries(paged, torch.empty(B, D, dtype=torch.long, device="meta"), req_table, lens, D)
     assert logits.is_meta and all(b.is_meta for b in paged.token_buffers)
     assert (entry_format is None) != any(b.dtype == torch.uint8 for b in paged.token_buffers)
+    assert (entry_format is None) != all(b.dtype == torch.uint8 for b in paged.buffers)  # fp8 window keys
     shapes["server_verify"] = tuple(logits.shape)
     # One MTP draft step: K frontier nodes per request at depth 1, reading the committed rows and their ancestors.
     drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, K, DRAFT_STEPS)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     from .state_footprint import KV_CACHE_DTYPES
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         ap.error(f"--kv-cache-dtype {args.kv_cache_dtype}: one of {sorted(KV_CACHE_DTYPES)} (fp8_e4m3: the "
-                 f"compressed entries as fp8, the window rows in --dtype)")
+                 f"compressed entries and window keys as fp8, the rest in --dtype)")
     from .dsv4.config import ConfigError
     try:
         out = report(args.path, args.tp, args.dtype, args.tp_rank)

@@ -88,9 +88,9 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
         kinds[row][kind] = kinds[row].get(kind, 0) + cols * (itemsize or size)
 
     page = state_page_size(cfg)
-    for layout in paged_layouts(cfg)[0]:
+    for layout in paged_layouts(cfg, entry_format)[0]:
         for piece, (_, w) in layout.pieces.items():
-            add("window", KIND_OF_PIECE[piece], w)
+            add("window", KIND_OF_PIECE[piece], w, 1 if piece in layout.codecs else None)
     share = ring_period(cfg, page, verify_tokens) / page
     for layout in ring_layouts(cfg):  # the pool's ring buffers: compressor rows and states, the MTP's streams
         for piece, (_, w) in layout.pieces.items():

@@ -87,7 +87,8 @@ class Attention(nn.Module):
                 ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
             ent_store, ent_slots = store.readable(layer, "entry", store.index(layer, "entry", ent_slots), q.dtype)
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
-        o = ops.tree_sparse_attention(q, store.view(layer, "k"), win_rows, ent_store, ent_slots,
+        k_store, k_rows = store.readable(layer, "k", win_rows, q.dtype)  # fp8 keys: the rows read, decoded
+        o = ops.tree_sparse_attention(q, k_store, k_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
         g = self.o_groups

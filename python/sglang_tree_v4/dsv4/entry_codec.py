@@ -1,8 +1,10 @@
-"""Compressed entries as upstream's fp8 bytes (``--kv-cache-dtype fp8_e4m3``): the codec and which pieces use it.
+"""Compressed entries and window keys as upstream's fp8 bytes (``--kv-cache-dtype fp8_e4m3``): the codec and which
+pieces use it.
 
-Why: at V4-Flash shapes the entries are almost all of the state a token keeps for ever, and upstream SGLang keeps
-them as fp8 (584 bytes per entry, 132 per index key, against 1,024 and 256 in bf16). The store (``storage``)
-encodes a coded piece on write and decodes it on read; everything else it holds stays in the model's dtype.
+Why: at V4-Flash shapes the entries are almost all of the state a token keeps for ever, and the window keys most of
+what a running request holds; upstream SGLang keeps both as fp8 (584 bytes per entry or key, 132 per index key,
+against 1,024 and 256 in bf16). The store (``storage``) encodes a coded piece on write and decodes it on read;
+everything else it holds (compressor rows and states, the MTP's keys and input streams) stays in its own dtype.
 """
 from __future__ import annotations
 
@@ -71,13 +73,14 @@ class Fp8Codec:
 
 
 def entry_codecs(cfg: DSV4Config, entry_format: str | None) -> dict[str, Fp8Codec]:
-    """How the entries are kept: in the store's dtype (None), or ``fp8_e4m3`` as upstream keeps them (``Fp8Codec``:
-    entries' non-rope channels in e4m3 tiles of 64 with UE8M0 scales and rope channels in bf16, index keys wholly
-    e4m3 with one float32 scale per 128 channels)."""
+    """How the entries and the target layers' window keys are kept: in the store's dtype (None), or ``fp8_e4m3``
+    as upstream keeps them (``Fp8Codec``: entries' and keys' non-rope channels in e4m3 tiles of 64 with UE8M0
+    scales and rope channels in bf16, index keys wholly e4m3 with one float32 scale per 128 channels). A piece is
+    coded where a layout asks for it by name (``storage.layer_layout``, ``token_layout``)."""
     if entry_format is None:
         return {}
     if entry_format not in ENTRY_FORMATS:
         raise ValueError(f"--kv-cache-dtype {entry_format}: DeepSeek-V4's entries are kept in the model's dtype "
                          f"or as {', '.join(ENTRY_FORMATS)}")
-    return {"entry": Fp8Codec(cfg.head_dim, cfg.rope_dim, 64, 1, pad=1),
-            "ientry": Fp8Codec(cfg.index_head_dim, 0, 128, 4)}
+    entry = Fp8Codec(cfg.head_dim, cfg.rope_dim, 64, 1, pad=1)
+    return {"entry": entry, "k": entry, "ientry": Fp8Codec(cfg.index_head_dim, 0, 128, 4)}

@@ -43,9 +43,10 @@ class DSV4Model(nn.Module):
 
     def new_store(self, num_slots: int, dtype: torch.dtype = torch.float32, device="cpu",
                   entry_format: str | None = None) -> SlotStore:
-        """``entry_format``: None keeps entries in ``dtype``, ``fp8_e4m3`` as upstream's fp8 bytes. Compressor pieces
-        in ring rows (one per slot here), so that an HCA layer's state keeps its own dtype (``paged_layouts``)."""
-        window, ring = paged_layouts(self.cfg)
+        """``entry_format``: None keeps entries and window keys in ``dtype``, ``fp8_e4m3`` as upstream's fp8 bytes.
+        Compressor pieces in ring rows (one per slot here), so that an HCA layer's state keeps its own dtype
+        (``paged_layouts``)."""
+        window, ring = paged_layouts(self.cfg, entry_format)
         return SlotStore(window, num_slots, dtype, device, ring_layouts=ring,
                          token_layouts=model_token_layouts(self.cfg, entry_format))
 

@@ -30,7 +30,8 @@ class DSV4Runner:
 
     def __init__(self, model: DSV4Model, num_slots: int = 4096, max_len: int = 4096, max_reqs: int = 64,
                  entry_format: str | None = None, draft_scratch_rows: int = 64):
-        """``entry_format``: how compressed entries are kept (``entry_codec.entry_codecs``; None: the model's dtype).
+        """``entry_format``: how compressed entries and window keys are kept (``entry_codec.entry_codecs``; None: the
+        model's dtype).
         ``draft_scratch_rows``: the MTP's draft-tree scratch (``mtp_drafter``), K (S - 1) rows per request drafted
         at once."""
         self.model = model

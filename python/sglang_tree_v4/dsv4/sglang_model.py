@@ -172,7 +172,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             token = [next(token_iter) if lay.width else window[0][:, :0] for lay in token_lays]
             common = dict(window_index=pool.full_to_swa_index_mapping)
             num_slots = pool.size + pool.page_size
-            window_lays, ring_lays = paged_layouts(cfg)
+            window_lays, ring_lays = paged_layouts(cfg, getattr(self.config, ENTRY_FORMAT_ATTR, None))
             swa = pool.swa_kv_pool
             ring = dict(ring_period=swa.ring_period, page=pool.page_size)
             target = SlotStore(window_lays, num_slots, buffers=window[:n], token_layouts=token_lays,

@@ -35,7 +35,9 @@ one-column V buffers per slot, which SGLang insists on and nothing uses). SGLang
 from the config our override hands it: ``head_dim`` (full) is the entry columns per token (``sum width / r``) and
 ``swa_head_dim`` (window) the mean window width, each per layer and rounded up (``pool_head_dim``), so the tokens it
 fits into a memory budget follow the real bytes. Window moves use SGLang's per-buffer native copy (its tiled GPU
-copy takes the first buffer's row width for all of them).
+copy takes the first buffer's row width for all of them). With ``--kv-cache-dtype fp8_e4m3`` the entry layers and
+the target layers' window layers (their keys) are uint8 rows of upstream's fp8 bytes (``entry_codec``), counted in
+those widths in columns of the model's dtype.
 """
 from __future__ import annotations
 
@@ -54,9 +56,20 @@ V_COLUMNS = 1  # the V buffer SGLang always allocates; nothing is stored in it
 WINDOW_LABEL, TOKEN_LABEL = "SWA", "Full"  # SGLang's allocation labels of the two sub-pools
 
 
-def window_layer_widths(cfg: DSV4Config) -> list[int]:
-    """Window-row layers: the target layers (without their ring pieces), the MTP layers."""
-    return [lay.width for lay in paged_layouts(cfg)[0] + mtp_layouts(cfg)]
+def window_layouts(cfg: DSV4Config, entry_format: str | None = None) -> list:
+    """Window-row layers: the target layers (without their ring pieces; with an ``entry_format`` their keys as its
+    bytes), the MTP layers (its keys in the pool's dtype: it only drafts)."""
+    return paged_layouts(cfg, entry_format)[0] + mtp_layouts(cfg)
+
+
+def window_layer_widths(cfg: DSV4Config, entry_format: str | None = None) -> list[int]:
+    """Width of each ``window_layouts`` layer (a coded one's in bytes)."""
+    return [lay.width for lay in window_layouts(cfg, entry_format)]
+
+
+def window_layer_columns(cfg: DSV4Config, entry_format: str | None, itemsize: int) -> list[float]:
+    """``window_layer_widths`` in columns of a pool whose dtype has ``itemsize`` bytes."""
+    return [lay.width / (itemsize if lay.codecs else 1) for lay in window_layouts(cfg, entry_format)]
 
 
 def ring_layouts(cfg: DSV4Config) -> list:
@@ -81,11 +94,12 @@ def ring_layer_columns(cfg: DSV4Config, itemsize: int) -> list[float]:
             for w, dt in zip(ring_layer_widths(cfg), ring_layer_dtypes(cfg))]
 
 
-def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int, itemsize: int) -> int:
+def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int, itemsize: int,
+                 entry_format: str | None = None) -> int:
     """The window sub-pool's ``head_dim`` SGLang sizes it with (``pool_head_dim``) for a pool dtype of ``itemsize``
     bytes: the window layers' mean width plus the ring rows' columns per window row (``ring_period / page`` of a
     row per ring buffer)."""
-    window, ring = window_layer_widths(cfg), ring_layer_columns(cfg, itemsize)
+    window, ring = window_layer_columns(cfg, entry_format, itemsize), ring_layer_columns(cfg, itemsize)
     period = ring_period(cfg, page, draft_tokens)
     return pool_head_dim([w + (sum(ring) * period / page if i == 0 else 0) for i, w in enumerate(window)])
 
@@ -188,7 +202,8 @@ def retained_window(cfg: DSV4Config) -> int:
 def state_pool_class(window_widths: list[int], token_widths: list[int], token_ratios: list[int],
                      scratch_rows: int, entry_format: str | None = None,
                      window_scratch_rows: list[int] | None = None, ring_widths: list[int] | None = None,
-                     ring_period_of=None, ring_dtypes: list[torch.dtype | None] | None = None) -> type:
+                     ring_period_of=None, ring_dtypes: list[torch.dtype | None] | None = None,
+                     window_coded: list[bool] | None = None) -> type:
     """A subclass of SGLang's ``MHATokenToKVPool`` (built with the same arguments as its own, once per sub-pool)
     whose layer ``i`` is ``widths[i]`` wide, the widths chosen by the sub-pool's allocation label; entry layer ``i``
     has a row per block of ``token_ratios[i]`` slots and then ``scratch_rows`` rows, window layer ``i`` a row per
@@ -196,8 +211,8 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
     ``ring_buffers``, one per ``ring_layouts`` entry ``ring_widths[i]`` wide (of ``ring_dtypes[i]``, None: the
     pool's), of ``ring_period_of(page)`` rows per page (``ring_period``; ``storage.SlotStore``'s ring rows), moved
     with their window rows. With an ``entry_format``
-    (fp8) the entry layers are uint8 rows of the codec's bytes (``token_widths`` in bytes) and the window layers
-    keep the pool's dtype."""
+    (fp8) the entry layers, and the window layers marked ``window_coded`` (the target layers' keys), are uint8 rows
+    of the codec's bytes (their widths in bytes); the other window layers and the ring keep their dtypes."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -234,7 +249,10 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
             elif any(window_scratch_rows or []):
                 logger.info("TREE_V4 MTP draft scratch: %d window rows per MTP layer", max(window_scratch_rows))
             self.entry_format = entry_format
-            dtype = torch.uint8 if entries and entry_format else self.store_dtype
+            coded = [bool(entry_format)] * len(widths) if entries else list(window_coded or [False] * len(widths))
+            if not entries and any(coded):
+                logger.info("TREE_V4 window keys kept as %s in %d of %d window layers", entry_format, sum(coded),
+                            len(coded))
             ring = [] if entries else list(ring_widths or [])
             self.ring_period = ring_period_of(self.page_size) if any(ring) else None
             ring_rows = slots // self.page_size * self.ring_period if self.ring_period else 0
@@ -242,8 +260,8 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                 logger.info("TREE_V4 ring rows (compressor rows and states, MTP input streams): %d per page of %d "
                             "window rows", self.ring_period, self.page_size)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-                self.k_buffer = [torch.zeros((n, 1, w), dtype=dtype, device=self.device)
-                                 for n, w in zip(rows, widths)]
+                self.k_buffer = [torch.zeros((n, 1, w), dtype=torch.uint8 if c else self.store_dtype,
+                                             device=self.device) for n, w, c in zip(rows, widths, coded)]
                 self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
                 ring_dt = list(ring_dtypes or [None] * len(ring))
@@ -283,6 +301,7 @@ def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format:
     a request's forward writes past its committed length (``verify_tokens_of``) sizes the CSA ring."""
     mtp = len(mtp_layouts(cfg))
     window = [0] * (len(window_layer_widths(cfg)) - mtp) + [mtp_scratch_rows] * mtp
-    return state_pool_class(window_layer_widths(cfg), token_layer_widths(cfg, entry_format), token_layer_ratios(cfg),
-                            scratch_rows, entry_format, window, ring_layer_widths(cfg),
-                            lambda page: ring_period(cfg, page, verify_tokens), ring_layer_dtypes(cfg))
+    return state_pool_class(window_layer_widths(cfg, entry_format), token_layer_widths(cfg, entry_format),
+                            token_layer_ratios(cfg), scratch_rows, entry_format, window, ring_layer_widths(cfg),
+                            lambda page: ring_period(cfg, page, verify_tokens), ring_layer_dtypes(cfg),
+                            [bool(lay.codecs) for lay in window_layouts(cfg, entry_format)])

@@ -52,6 +52,8 @@ class LayerLayout:
     def of(named_widths: list[tuple[str, int]], codecs: dict[str, Fp8Codec] | None = None,
            dtype: torch.dtype | None = None) -> "LayerLayout":
         codecs = {name: codecs[name] for name, _ in named_widths if name in (codecs or {})}
+        if codecs and len(codecs) < len(named_widths):  # a coded row is a uint8 buffer: bytes only
+            raise ValueError(f"pieces {[n for n, _ in named_widths]}: either all coded or none ({sorted(codecs)})")
         pieces, off = {}, 0
         for name, w in named_widths:
             w = codecs[name].nbytes if name in codecs else w
@@ -63,7 +65,8 @@ class LayerLayout:
 def layer_layout(cfg: DSV4Config, layer_type: str) -> LayerLayout:
     """Window-row pieces (in row order), what only the last window of positions needs:
 
-    * all layers: ``k`` (head_dim) -- normalised, rotated window key, also the value;
+    * all layers: ``k`` (head_dim) -- normalised, rotated window key, also the value (in SGLang's pool with an
+      ``entry_format`` as its bytes, ``paged_layouts``);
     * HCA: ``cstate`` (2*head_dim: ``[o | lse]``) -- the running pooling state of the position's block up to the
       position (``hca_compressor``), which is all a later position reads of it;
     * CSA: ``ckv``, ``cscore`` (2*head_dim each: ``[Ca | Cb]`` halves), ``ikv``, ``iscore`` (2*index_head_dim each).
@@ -103,16 +106,18 @@ RING_READ_BACK = {CSA: lambda cfg: 2 * cfg.csa_ratio - 1, HCA: lambda cfg: 1}
 STATE_DTYPE = torch.float32  # an HCA layer's running state: a log-sum-exp folded over up to 128 positions
 
 
-def paged_layouts(cfg: DSV4Config) -> tuple[list[LayerLayout], list[LayerLayout]]:
+def paged_layouts(cfg: DSV4Config, entry_format: str | None = None) -> tuple[list[LayerLayout], list[LayerLayout]]:
     """``model_layouts`` split in two: (window rows without the compressor pieces read only a few positions back,
     those pieces), the latter kept in ring rows -- a few per page in SGLang's paged pool (``SlotStore``'s
-    ``ring_period``), a row per slot elsewhere -- with an HCA layer's state in ``STATE_DTYPE``."""
+    ``ring_period``), a row per slot elsewhere -- with an HCA layer's state in ``STATE_DTYPE``. With an
+    ``entry_format`` the window keys are its bytes."""
     window, ring = [], []
     for i, lay in enumerate(model_layouts(cfg)):
         kind = cfg.layer_type(i)
         in_ring = kind in RING_READ_BACK
         pieces = [(n, w) for n, (_, w) in lay.pieces.items()]
-        window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)]))
+        window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)],
+                                     entry_codecs(cfg, entry_format)))
         ring.append(LayerLayout.of([(n, w) for n, w in pieces if in_ring and n in RING_PIECES],
                                    dtype=STATE_DTYPE if kind == HCA else None))
     return window, ring
@@ -161,8 +166,8 @@ class SlotStore:
     forward, see ``ForwardBatch.entry_out`` and ``SlotTable.anc_entry``) and lands in scratch row ``q``; the
     accepted ones are copied to their canonical rows after acceptance (``commit_entries``).
 
-    A token piece with a codec (``LayerLayout.codecs``, fp8 entries) is kept as bytes in a uint8 buffer: ``write``
-    encodes, ``read`` decodes, ``readable`` hands the attention kernel decoded rows.
+    A piece with a codec (``LayerLayout.codecs``: fp8 entries, fp8 window keys) is kept as bytes in a uint8 buffer:
+    ``write`` encodes, ``read`` decodes, ``readable`` hands the attention kernel decoded rows.
 
     ``window_scratch_rows`` window rows after the slots' (the MTP's draft-tree scratch, ``mtp_drafter``) are
     addressed by ``-2 - j`` for scratch row ``j``: a draft node's row that no slot owns and no step outlives.
@@ -196,15 +201,16 @@ class SlotStore:
         self.ring_period, self.page = (ring_period, page) if ring_period and ring_period < (page or 0) else (None, None)
         self.num_slots = num_slots
         if buffers is None:
-            buffers = [torch.zeros(num_slots + window_scratch_rows, lay.width, dtype=dtype, device=device)
-                       for lay in layouts]
+            buffers = [torch.zeros(num_slots + window_scratch_rows, lay.width,
+                                   dtype=torch.uint8 if lay.codecs else dtype, device=device) for lay in layouts]
+        # the store's own dtype and device: the given buffers' (a coded layer's are bytes)
+        dt = next((b.dtype for b, lay in zip(buffers, layouts) if not lay.codecs), dtype)
+        dev = buffers[0].device if buffers else device
         if token_buffers is None:
-            dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
             token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
                                          lay.width, dtype=torch.uint8 if lay.codecs else dt, device=dev)
                              for i, lay in enumerate(self.token_layouts)]
         if ring_buffers is None:
-            dt, dev = (buffers[0].dtype, buffers[0].device) if buffers else (dtype, device)
             rows = num_slots // page * ring_period if self.ring_period else (
                 buffers[0].shape[0] - window_scratch_rows if buffers else num_slots)  # a row per window row
             ring_buffers = [torch.zeros(rows, lay.width, dtype=lay.dtype or dt, device=dev)
@@ -243,7 +249,9 @@ class SlotStore:
         return self.token_buffers, *self.token_layouts[layer].pieces[piece], "token"
 
     def _codec(self, layer: int, piece: str) -> Fp8Codec | None:
-        return self.token_layouts[layer].codecs.get(piece) if self._where(layer, piece)[3] == "token" else None
+        kind = self._where(layer, piece)[3]
+        layouts = {"window": self.layouts, "token": self.token_layouts, "ring": self.ring_layouts}[kind]
+        return layouts[layer].codecs.get(piece)
 
     def _rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "token":

@@ -57,7 +57,7 @@ def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1)
         num_hidden_layers=len(window) + len(token), num_attention_heads=cfg.num_heads, num_key_value_heads=1,
         head_dim=sp.pool_head_dim(sp.token_columns_per_slot(cfg, entry_format, itemsize)), v_head_dim=sp.V_COLUMNS,
         swa_head_dim=sp.swa_head_dim(cfg, sp.state_page_size(cfg), 1, itemsize if entry_format else
-                                     torch_itemsize(raw)), swa_v_head_dim=sp.V_COLUMNS,
+                                     torch_itemsize(raw), entry_format), swa_v_head_dim=sp.V_COLUMNS,
         swa_num_key_value_heads=1,
         is_hybrid_swa=True, hybrid_layer_pattern=[1] * len(window) + [0] * len(token),
         sliding_window=sp.retained_window(cfg),
@@ -122,10 +122,11 @@ def state_pool(original, configurator, *args, **kwargs):
 
 def entry_dtype(original, runner, *args, **kwargs):
     """AROUND hook on ``ModelRunner.configure_kv_cache_dtype``: with ``--kv-cache-dtype fp8_e4m3`` our model keeps
-    its compressed entries as upstream's fp8 bytes (``entry_codec.entry_codecs``) and everything else -- window keys,
-    compressor rows, the MTP's streams -- in the model's dtype. So SGLang builds and sizes a pool of the model's
-    dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the full sub-pool's ``head_dim``), and
-    our pool class makes those layers uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag.
+    its compressed entries and its target layers' window keys as upstream's fp8 bytes (``entry_codec.entry_codecs``)
+    and everything else -- compressor rows and states, the MTP's keys and streams -- in their own dtypes. So SGLang
+    builds and sizes a pool of the model's dtype whose entry layers are as wide, in that dtype, as the fp8 bytes (the
+    full sub-pool's ``head_dim``; the window sub-pool's likewise, below), and our pool class makes those layers
+    uint8. Any other 8- or 4-bit KV dtype stops the server naming the flag.
     Here, where the page size, TREE_V4's D and the pool's dtype are known, the window sub-pool's ``head_dim`` also
     gets the compressor ring's share (``sglang_pool.swa_head_dim``)."""
     import torch
@@ -145,18 +146,18 @@ def entry_dtype(original, runner, *args, **kwargs):
         if kv != torch.float8_e4m3fn:
             raise ValueError(f"--kv-cache-dtype {getattr(runner.server_args, 'kv_cache_dtype', kv)}: DeepSeek-V4 "
                              "served by sglang-tree-v4 keeps its state in the model's dtype or bfloat16, or its "
-                             "compressed entries in fp8_e4m3")
+                             "compressed entries and window keys in fp8_e4m3")
         entry_format = "fp8_e4m3"
         runner.kv_cache_dtype, runner.kv_cache_dtype_str = runner.dtype, "auto"
         runner.model_config.head_dim = sp.pool_head_dim(
             sp.token_columns_per_slot(cfg, entry_format, runner.dtype.itemsize))
-        logger.info("TREE_V4 DeepSeek-V4 state: compressed entries as %s, window rows in %s", entry_format,
-                    runner.dtype)
+        logger.info("TREE_V4 DeepSeek-V4 state: compressed entries and window keys as %s, compressor rows and "
+                    "the MTP's rows in %s", entry_format, runner.dtype)
     setattr(hf_config, ENTRY_FORMAT_ATTR, entry_format)
     # the window sub-pool's width with the compressor ring the server will build, in its dtype's columns
     runner.model_config.swa_head_dim = sp.swa_head_dim(cfg, runner.server_args.page_size or sp.state_page_size(cfg),
                                                        sp.verify_tokens_of(runner.server_args),
-                                                       runner.kv_cache_dtype.itemsize)
+                                                       runner.kv_cache_dtype.itemsize, entry_format)
     return out
 
 
