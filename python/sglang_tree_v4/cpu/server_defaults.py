@@ -36,7 +36,7 @@ def cpu_binding(ranks: int) -> str:
 def apply_cpu_defaults(original, self, *args, **kwargs):
     """AROUND hook on ``ServerArgs.resolve_once``: fill CPU defaults, then resolve as usual."""
     from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
-    from ..dsv4.sglang_pool import check_page_size
+    from ..dsv4.sglang_pool import check_page_size, is_tree_v4
 
     if not getattr(self, "_resolution_finished", False):
         if self.max_total_tokens is None and self.mem_fraction_static is None:  # no budget asked for
@@ -52,8 +52,7 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
             self.page_size = check_page_size(DSV4Config.from_dict(read_checkpoint_config(self.model_path)),
                                              self.page_size)
         algorithm = getattr(self, "speculative_algorithm", None)
-        algorithm = str(getattr(algorithm, "name", None) or algorithm or "")
-        if v4 and algorithm and "TREE_V4" not in algorithm.upper():
+        if v4 and algorithm and not is_tree_v4(algorithm):
             # Our model's verify forward needs the TREE_V4 worker: it commits the accepted nodes' compressed
             # entries and sizes the CSA ring for the verify block; another worker would serve wrong tokens.
             raise ValueError(f"--speculative-algorithm {algorithm}: DeepSeek-V4 served by sglang-tree-v4 on a CPU "

@@ -51,7 +51,7 @@ class Attention(nn.Module):
         if layer_type == HCA:
             self.compressor = HcaCompressor(D, hd, self.ratio, cfg.rms_norm_eps)
         elif layer_type == CSA:
-            self.compressor = Compressor(D, hd, self.ratio, True, cfg.rms_norm_eps)
+            self.compressor = Compressor(D, hd, self.ratio, cfg.rms_norm_eps)
         if layer_type == CSA:
             self.indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
                                    cfg.rms_norm_eps)

@@ -5,8 +5,8 @@ own slot. A block of ``r`` positions ``[r*e, r*e + r)`` is *closed* by its last 
 token computes entry ``e`` and stores it in its own slot:
 
 * HCA (non-overlapping, any ratio r): per channel, softmax over the r window slots of ``score + ape[j]``, weighted
-  sum of kv -- computed as a running state instead of from stored rows (``hca_compressor.HcaCompressor``, which
-  keeps this class's weights).
+  sum of kv -- computed as a running state instead of from stored rows (``hca_compressor.HcaCompressor``, on the
+  same ``CompressorWeights``).
 * CSA (ratio 4, overlapping): rows are ``2*d`` wide, ``[Ca | Cb]``. Entry e pools 2r slots per channel: the
   previous block's Ca halves (with ``ape[j, :d]``) and its own block's Cb halves (with ``ape[j, d:]``). For e = 0
   the previous block does not exist (weight 0).
@@ -29,15 +29,25 @@ from .rope import Rope
 from .storage import ForwardBatch, SlotStore, find
 
 
-class Compressor(nn.Module):
+class CompressorWeights(nn.Module):
+    """What a compressor learns (the checkpoint's ``wkv``, ``wgate``, ``ape``, ``norm``): rows ``2 * d`` wide where
+    blocks overlap (CSA), ``d`` where they do not (HCA)."""
+
     def __init__(self, dim_in: int, d: int, ratio: int, overlap: bool, eps: float):
         super().__init__()
-        self.d, self.ratio, self.overlap = d, ratio, overlap
+        self.d, self.ratio = d, ratio
         width = 2 * d if overlap else d
         self.wkv = nn.Linear(dim_in, width, bias=False)
         self.wgate = nn.Linear(dim_in, width, bias=False)
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(d, eps)
+
+
+class Compressor(CompressorWeights):
+    """An overlapping (CSA) compressor: rows stored per position, entries pooled from them when a block closes."""
+
+    def __init__(self, dim_in: int, d: int, ratio: int, eps: float):
+        super().__init__(dim_in, d, ratio, True, eps)
 
     def write_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, kv: str,
                    score: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +63,7 @@ class Compressor(nn.Module):
     def close_blocks(self, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope, kv: str, score: str,
                      entry: str, own: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Compute and store the entries of the queries that close a block (rows already written; ``own``: what
-        ``write_rows`` returned). Overlapping (CSA) compressors only: an HCA layer pools by its running state
-        (``HcaCompressor.update``)."""
-        if not self.overlap:
-            raise ValueError("close_blocks pools overlapping (CSA) windows; HCA layers use HcaCompressor.update")
+        ``write_rows`` returned)."""
         r, d = self.ratio, self.d
         span = 2 * r
         closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
@@ -131,7 +138,7 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(dim_in, n_heads, bias=False)
-        self.compressor = Compressor(dim_in, head_dim, 4, True, eps)
+        self.compressor = Compressor(dim_in, head_dim, 4, eps)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
                rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from sgl_kernel_ext.reference import apply_interleaved_rope
 
-from .compressor import Compressor
+from .compressor import CompressorWeights
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore, find
 
@@ -40,9 +40,9 @@ def fold(o: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
     return torch.where(first, v, new_o), torch.where(first, s, new_lse)
 
 
-class HcaCompressor(Compressor):
-    """The HCA layer's compressor: the weights of ``Compressor`` (non-overlapping), the pooling as a running
-    state (module doc)."""
+class HcaCompressor(CompressorWeights):
+    """The HCA layer's compressor: ``CompressorWeights`` (non-overlapping), the pooling as a running state (module
+    doc)."""
 
     def __init__(self, dim_in: int, d: int, ratio: int, eps: float):
         super().__init__(dim_in, d, ratio, False, eps)

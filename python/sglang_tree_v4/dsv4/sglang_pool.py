@@ -149,6 +149,14 @@ def pool_head_dim(widths: list[float]) -> int:
     return math.ceil(sum(widths) / len(widths))
 
 
+TREE_V4 = "TREE_V4"  # the --speculative-algorithm our worker registers (``speculative.algorithm``)
+
+
+def is_tree_v4(algorithm) -> bool:
+    """Whether ``algorithm`` -- the flag as given (any case), or SGLang's algorithm object -- is TREE_V4."""
+    return TREE_V4 in str(getattr(algorithm, "name", None) or algorithm or "").upper()
+
+
 def tree_shape_of(server_args) -> dict[str, int] | None:
     """TREE_V4's resolved (D, K, S) as SGLang's flag names, None without TREE_V4. They come from SGLang's runtime
     context where it has them (its server arguments can still hold the user's unset values, e.g. no D for the
@@ -161,7 +169,7 @@ def tree_shape_of(server_args) -> dict[str, int] | None:
     except Exception:  # no runtime context (a pool built outside a server)
         pass
     algorithm = getattr(spec, "speculative_algorithm", None) or getattr(server_args, "speculative_algorithm", None)
-    if "TREE_V4" not in str(getattr(algorithm, "name", algorithm)):
+    if not is_tree_v4(algorithm):
         return None
     shape = {}
     for name in ("speculative_num_draft_tokens", "speculative_eagle_topk", "speculative_num_steps"):
