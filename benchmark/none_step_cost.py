@@ -8,7 +8,7 @@ so its throughput there is that step's against plain SGLang's decode step. By de
 side: plain SGLang with and without overlap scheduling, and the default TREE_V4 forced never to speculate (the test
 mutation ``never_speculate``, ``test/support/mutations``) with and without overlap scheduling (forced on with
 ``SGLANG_TREE_V4_OVERLAP=1``: TREE_V4 drops it on a CPU); ``--servers`` picks others, e.g. the adaptive TREE_V4
-with and without overlap. Each point is run once
+with and without overlap, or the adaptive one against the fixed chain D2 K1 S1. Each point is run once
 unmeasured, then ``--repeats`` times with the servers interleaved, and the median output tokens/s is kept (greedy,
 EOS ignored, GSM8K chat prompts), with each one's ratio to the first of ``--servers``. The forced servers must
 report only ``none`` steps.
@@ -42,6 +42,10 @@ SERVERS = {  # name -> (launch_server flags, forced never to speculate)
     "tree_v4_none_no_overlap": (TREE_V4 + NO_OVERLAP, True),
     "tree_v4_adaptive_overlap": (TREE_V4, False),
     "tree_v4_adaptive_no_overlap": (TREE_V4 + NO_OVERLAP, False),
+    # the matched chain D2 K1 S1: the shape the adaptive server mostly picks at batch 16-32 on this CPU
+    "tree_v4_chain2_no_overlap": (TREE_V4 + NO_OVERLAP + ["--speculative-num-draft-tokens", "2",
+                                                          "--speculative-eagle-topk", "1",
+                                                          "--speculative-num-steps", "1"], False),
 }
 
 
