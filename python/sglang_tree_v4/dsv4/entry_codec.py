@@ -76,7 +76,7 @@ def entry_codecs(cfg: DSV4Config, entry_format: str | None) -> dict[str, Fp8Code
     """How the entries and the target layers' window keys are kept: in the store's dtype (None), or ``fp8_e4m3``
     as upstream keeps them (``Fp8Codec``: entries' and keys' non-rope channels in e4m3 tiles of 64 with UE8M0
     scales and rope channels in bf16, index keys wholly e4m3 with one float32 scale per 128 channels). A piece is
-    coded where a layout asks for it by name (``storage.layer_layout``, ``token_layout``)."""
+    coded where a layout asks for it by name (``storage.paged_layouts``, ``token_layout``)."""
     if entry_format is None:
         return {}
     if entry_format not in ENTRY_FORMATS:

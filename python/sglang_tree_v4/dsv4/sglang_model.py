@@ -168,11 +168,12 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             nw = len(window_layer_widths(cfg))
             window = [pool.get_key_buffer(i).flatten(1) for i in range(nw)]
             token_iter = iter(pool.get_key_buffer(nw + i).flatten(1) for i in range(pool.layer_num - nw))
-            token_lays = model_token_layouts(cfg, getattr(self.config, ENTRY_FORMAT_ATTR, None))
+            entry_format = getattr(self.config, ENTRY_FORMAT_ATTR, None)
+            token_lays = model_token_layouts(cfg, entry_format)
             token = [next(token_iter) if lay.width else window[0][:, :0] for lay in token_lays]
             common = dict(window_index=pool.full_to_swa_index_mapping)
             num_slots = pool.size + pool.page_size
-            window_lays, ring_lays = paged_layouts(cfg, getattr(self.config, ENTRY_FORMAT_ATTR, None))
+            window_lays, ring_lays = paged_layouts(cfg, entry_format)
             swa = pool.swa_kv_pool
             ring = dict(ring_period=swa.ring_period, page=pool.page_size)
             target = SlotStore(window_lays, num_slots, buffers=window[:n], token_layouts=token_lays,

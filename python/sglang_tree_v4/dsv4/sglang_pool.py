@@ -62,9 +62,9 @@ def window_layouts(cfg: DSV4Config, entry_format: str | None = None) -> list:
     return paged_layouts(cfg, entry_format)[0] + mtp_layouts(cfg)
 
 
-def window_layer_widths(cfg: DSV4Config, entry_format: str | None = None) -> list[int]:
-    """Width of each ``window_layouts`` layer (a coded one's in bytes)."""
-    return [lay.width for lay in window_layouts(cfg, entry_format)]
+def window_layer_widths(cfg: DSV4Config) -> list[int]:
+    """Width of each ``window_layouts`` layer in full precision."""
+    return [lay.width for lay in window_layouts(cfg)]
 
 
 def window_layer_columns(cfg: DSV4Config, entry_format: str | None, itemsize: int) -> list[float]:
@@ -307,9 +307,9 @@ def model_state_pool_class(cfg: DSV4Config, scratch_rows: int = 0, entry_format:
                            mtp_scratch_rows: int = 0, verify_tokens: int = 1) -> type:
     """``scratch_rows`` per entry layer, ``mtp_scratch_rows`` per MTP layer (``scratch_rows_of``); ``verify_tokens``
     a request's forward writes past its committed length (``verify_tokens_of``) sizes the CSA ring."""
-    mtp = len(mtp_layouts(cfg))
-    window = [0] * (len(window_layer_widths(cfg)) - mtp) + [mtp_scratch_rows] * mtp
-    return state_pool_class(window_layer_widths(cfg, entry_format), token_layer_widths(cfg, entry_format),
-                            token_layer_ratios(cfg), scratch_rows, entry_format, window, ring_layer_widths(cfg),
+    mtp, window = len(mtp_layouts(cfg)), window_layouts(cfg, entry_format)
+    scratch = [0] * (len(window) - mtp) + [mtp_scratch_rows] * mtp
+    return state_pool_class([lay.width for lay in window], token_layer_widths(cfg, entry_format),
+                            token_layer_ratios(cfg), scratch_rows, entry_format, scratch, ring_layer_widths(cfg),
                             lambda page: ring_period(cfg, page, verify_tokens), ring_layer_dtypes(cfg),
-                            [bool(lay.codecs) for lay in window_layouts(cfg, entry_format)])
+                            [bool(lay.codecs) for lay in window])

@@ -112,12 +112,12 @@ def paged_layouts(cfg: DSV4Config, entry_format: str | None = None) -> tuple[lis
     ``ring_period``), a row per slot elsewhere -- with an HCA layer's state in ``STATE_DTYPE``. With an
     ``entry_format`` the window keys are its bytes."""
     window, ring = [], []
+    codecs = entry_codecs(cfg, entry_format)
     for i, lay in enumerate(model_layouts(cfg)):
         kind = cfg.layer_type(i)
         in_ring = kind in RING_READ_BACK
         pieces = [(n, w) for n, (_, w) in lay.pieces.items()]
-        window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)],
-                                     entry_codecs(cfg, entry_format)))
+        window.append(LayerLayout.of([(n, w) for n, w in pieces if not (in_ring and n in RING_PIECES)], codecs))
         ring.append(LayerLayout.of([(n, w) for n, w in pieces if in_ring and n in RING_PIECES],
                                    dtype=STATE_DTYPE if kind == HCA else None))
     return window, ring
