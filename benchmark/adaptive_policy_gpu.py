@@ -28,6 +28,7 @@ class CostModelTimes:
     def __init__(self, cost: GpuAssumptions, topk: dict[tuple[int, int], int], accept: dict[tuple[int, int], float]):
         self.cost, self.topk, self.accept = cost, topk, accept
         self.observed: dict = {}  # nothing is served here: the policy compares the model's times only
+        self.observed_at: dict = {}
 
     def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
         if shape == NO_SPECULATION:

@@ -22,7 +22,8 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   children, so the kept set is a subtree), the accepted path's nodes that survive are what the smaller tree would
   have accepted (exact for greedy acceptance of that subtree). One step thus updates the statistics of all shapes
   at or below the one it ran; now and then the largest shape runs to keep them fresh (about 1 / ``EXPLORE_SHARE``
-  of the time).
+  of the time). The statistics are gathered from every ``STATS_EVERY``-th step (and every run of the largest
+  shape): a sample of the steps says as much about acceptance as all of them, at a quarter of the bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again every ``EXPLORE_SHARE`` speculative steps), so the
   comparison that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model
@@ -31,6 +32,15 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
 * ``T_*`` are step times measured on this device: at startup (``step_timer``, cached per model, device and TP)
   and refined online from every step's own timings (exponential moving averages, interpolated in the batch size
   and, for verification, in the number of verified tokens).
+* A shape's observed step time is only as good as the moment it was taken: a shape timed while the machine was
+  slow (another process, memory touched for the first time at a new batch size) would otherwise look slow for as
+  long as the policy never runs it again. (Measured on the CPU: at batch 32 the D2 S1 tree was timed at 68 ms in
+  the first run, 41 ms later, and the policy kept to D3 S1, 5 % behind D2, for the rest of the run.) So every
+  ``PROBE_EVERY`` steps the policy runs the neighbour of its choice (D +- 1 or S +- 1; the smallest tree next to
+  "no speculation") that it observed longest ago, and an observation's old value weighs less the older it is
+  (``STALE_DECAY`` per step), so that one fresh step mostly replaces a stale one. Neighbours are at most a few
+  percent apart, so the probes cost little; a probe that comes out better makes the policy move there, and the
+  shape it left becomes the neighbour that is probed.
 
 The choice never changes what is emitted: any shape's tree is verified losslessly, and the no-speculation step is
 ordinary decoding. On tensor-parallel servers rank 0 chooses and broadcasts (timings differ per rank).
@@ -55,7 +65,10 @@ EXPLORE_SHARE = 50
 SPECULATION_MARGIN = 1.1
 WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
+STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
+PROBE_EVERY = 16  # steps between two probes of a neighbour of the chosen shape
+STALE_DECAY = 0.97  # per step since an observation: how much of its weight the old value keeps
 
 
 def shape_menu(max_tokens: int, topk: int, max_steps: int) -> list[tuple[int, int]]:
@@ -100,10 +113,10 @@ class AcceptanceStats:
         self.sum = torch.zeros(max_steps + 1, max_tokens + 1)
         self.weight = torch.zeros(max_steps + 1, max_tokens + 1)
 
-    def update(self, accepts: torch.Tensor, ran: tuple[int, int]) -> None:
+    def update(self, accepts: torch.Tensor, ran: tuple[int, int], decay: float = STATS_DECAY) -> None:
         d, s = ran
-        self.sum *= STATS_DECAY
-        self.weight *= STATS_DECAY
+        self.sum *= decay
+        self.weight *= decay
         self.sum[: s + 1, : d + 1] += accepts[:, : s + 1, : d + 1].sum(0).cpu()
         self.weight[: s + 1, : d + 1] += accepts.shape[0]
 
@@ -113,6 +126,14 @@ class AcceptanceStats:
             return 1.0
         w = float(self.weight[s, d])
         return float(self.sum[s, d]) / w if w > 0 else None
+
+    def table(self) -> list[list[float | None]]:
+        """``expected`` of every shape at once, indexed ``[s][d]`` (one tensor read instead of one per shape)."""
+        means = (self.sum / self.weight.clamp(min=1e-30)).tolist()
+        weights = self.weight.tolist()
+        table = [[m if w > 0 else None for m, w in zip(row, wrow)] for row, wrow in zip(means, weights)]
+        table[NO_SPECULATION[1]][NO_SPECULATION[0]] = 1.0
+        return table
 
 
 @dataclass
@@ -155,11 +176,19 @@ class StepTimes:
     # there (so observed and modelled candidates compare on one scale).
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
     scale: dict[int, float] = field(default_factory=dict)
+    # The policy's step count (``clock``, set by the policy) when each observation was last updated.
+    observed_at: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    clock: int = 0
 
     def observe(self, batch: int, shape: tuple[int, int], seconds: float) -> None:
         key = (batch, *shape)
         old = self.observed.get(key)
-        self.observed[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
+        if old is None:
+            self.observed[key] = seconds
+        else:  # a stale value keeps less of its weight: see the module doc
+            keep = (1 - TIME_EMA) * STALE_DECAY ** max(self.clock - self.observed_at[key] - 1, 0)
+            self.observed[key] = keep * old + (1 - keep) * seconds
+        self.observed_at[key] = self.clock
         model = self.model(batch, shape)
         if model:
             ratio, old = min(max(seconds / model, 0.5), 2.0), self.scale.get(batch)  # one outlier moves it little
@@ -200,33 +229,65 @@ class AdaptivePolicy:
         self.steps = 0
         self.since_explore = 0
         self.since_baseline = 0
+        self.since_probe = 0
+        self.since_stats = 0
         self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
 
     def choose(self, batch: int) -> tuple[int, int]:
         """The shape for this step (on the deciding rank)."""
         self.steps += 1
+        self.times.clock = self.steps
         if self.steps <= WARMUP_STEPS:
             return self.largest
         best, best_s = self._decide(batch)
         largest_s = self.times.predict(batch, self.largest)
         self.since_explore += 1
         self.since_baseline += 1
+        self.since_probe += 1
         if best != self.largest and largest_s and best_s and self.since_explore >= EXPLORE_SHARE * largest_s / best_s:
             best = self.largest
         elif best != NO_SPECULATION and self._baseline_due(batch):
             best = NO_SPECULATION
+        elif self.since_probe >= PROBE_EVERY:
+            best = self._stalest_neighbour(batch, best) or best
+            self.since_probe = 0
         if best == self.largest:
             self.since_explore = 0
         if best == NO_SPECULATION:
             self.since_baseline = 0
         return best
 
+    def learn(self, tree: DraftTree, accepted_nodes: torch.Tensor, accept_lens: torch.Tensor,
+              ran: tuple[int, int]) -> None:
+        """This speculative step's acceptance, for the statistics of every shape at or below ``ran``: from every
+        ``STATS_EVERY``-th step and every run of the largest shape (the only source for the shapes above the
+        chosen one), decayed by the steps since the last update."""
+        self.since_stats += 1
+        if ran != self.largest and self.since_stats < STATS_EVERY:
+            return
+        accepts = counterfactual_accepts(tree, accepted_nodes, accept_lens, self.largest[1])
+        self.stats.update(accepts, ran, decay=STATS_DECAY ** self.since_stats)
+        self.since_stats = 0
+
+    def _stalest_neighbour(self, batch: int, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """Of the shapes next to ``shape`` in the menu (D +- 1 or S +- 1; next to "no speculation": the smallest
+        tree), the one observed at this batch size longest ago (never: first), unless all were observed within
+        the last ``PROBE_EVERY`` steps."""
+        d, s = shape
+        near = [(2, 1)] if shape == NO_SPECULATION else [(d - 1, s), (d + 1, s), (d, s - 1), (d, s + 1)]
+        near = [n for n in near if n in self.menu and n != NO_SPECULATION]
+        seen = self.times.observed_at
+        age = {n: self.steps - seen.get((batch, *n), -10 ** 9) for n in near}
+        stalest = max(near, key=lambda n: age[n], default=None)
+        return stalest if stalest is not None and age[stalest] >= PROBE_EVERY else None
+
     def _decide(self, batch: int) -> tuple[tuple[int, int], float | None]:
         """The policy's own choice (before exploration and baseline probes) and its predicted step time: the best
         tree against the baseline, with the hysteresis of the module doc."""
         rates: dict[tuple[int, int], tuple[float, float]] = {}
+        expected = self.stats.table()
         for shape in self.menu:
-            accepted, seconds = self.stats.expected(shape), self.times.predict(batch, shape)
+            accepted, seconds = expected[shape[1]][shape[0]], self.times.predict(batch, shape)
             if accepted is not None and seconds is not None and seconds > 0:
                 rates[shape] = (batch * accepted / seconds, seconds)
         trees = [s for s in rates if s != NO_SPECULATION]

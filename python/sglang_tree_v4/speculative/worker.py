@@ -49,7 +49,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
-from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve, counterfactual_accepts
+from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve
 from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
                           mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
@@ -364,14 +364,19 @@ class TreeV4Worker(BaseSpecWorker):
         D, S = shape
         key = "none" if S == 0 else f"D{D}_K{self.budget.topk}_S{S}"
         self.shape_counts[key] = self.shape_counts.get(key, 0) + 1
-        logger.debug("TREE_V4 step: batch %d, shape %s", bs, key)
-        if self.policy is None:
-            return
         start, drafted, verified = marks
         end = time.perf_counter()
+        if logger.isEnabledFor(logging.DEBUG):
+            gap = start - self._last_round_end[0] if self._last_round_end else float("nan")
+            logger.debug("TREE_V4 step: batch %d, shape %s, accepted %d, draft %.2f ms, verify %.2f ms, "
+                         "accept+commit %.2f ms, scheduler since the last round %.2f ms", bs, key,
+                         int(verdict.accept_lens.sum()), 1e3 * (drafted - start), 1e3 * (verified - drafted),
+                         1e3 * (end - verified), 1e3 * gap)
+        if self.policy is None:
+            self._last_round_end = (end, bs)
+            return
         if S > 0:
-            self.policy.stats.update(counterfactual_accepts(tree, verdict.accepted_nodes, verdict.accept_lens,
-                                                            self.budget.steps), shape)
+            self.policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, shape)
             self.policy.times.draft.setdefault(S, Curve()).add(bs, drafted - start)
         self.policy.times.verify.add(bs * D, verified - drafted)
         rest = end - verified
