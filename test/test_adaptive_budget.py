@@ -58,6 +58,31 @@ def test_counterfactual_accepts_equal_greedy_verification_of_each_smaller_tree(s
     assert checked == B * S * (D - 1)
 
 
+def test_statistics_come_from_every_fourth_step_and_every_run_of_the_largest_shape():
+    """``learn`` samples the steps (STATS_EVERY) but never skips the largest shape, the only source of the shapes
+    above the chosen one; the table it feeds equals ``expected`` shape by shape."""
+    from sglang_tree_v4.speculative.adaptive_budget import STATS_EVERY
+    gen = torch.Generator().manual_seed(0)
+    B, D, K, S = 4, 8, 3, 4
+    drafter = PathHashDrafter(VOCAB, seed=0)
+    roots = torch.randint(0, VOCAB, (B,), generator=gen)
+    tree = build_draft_tree(roots, torch.full((B,), 5), drafter, S, K, D, root_parent_hidden=drafter.root_hidden(roots))
+    verdict = verify_greedy(tree, target_logits_favouring_tree(tree, gen, hit_rate=0.8))
+    policy = AdaptivePolicy(D, K, S, StepTimes())
+    updates = []
+    for step in range(3 * STATS_EVERY):
+        before = float(policy.stats.weight[1, 2])
+        policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, (2, 1))
+        updates.append(float(policy.stats.weight[1, 2]) != before)
+    assert sum(updates) == 3 and updates[STATS_EVERY - 1]
+    assert policy.stats.expected((8, 4)) is None  # no step ran the largest shape yet
+    policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, (8, 4))
+    cf = counterfactual_accepts(tree, verdict.accepted_nodes, verdict.accept_lens, S)
+    assert policy.stats.expected((8, 4)) == pytest.approx(float(cf[:, 4, 8].mean()))
+    table = policy.stats.table()
+    assert all(table[s][d] == pytest.approx(policy.stats.expected((d, s))) for d, s in policy.menu)
+
+
 def test_curve_interpolates_and_extrapolates_proportionally():
     c = Curve()
     c.add(4, 0.04)
