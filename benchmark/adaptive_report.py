@@ -5,10 +5,15 @@
 Per dataset and batch size: throughput of no speculation, of the best fixed tree shape at that point, of the
 adaptive default, the ratio adaptive / max(none, best fixed) (the bar is >= 0.95), and the shapes the adaptive
 server ran (steps per shape, from ``/get_server_info`` before and after the point). Markdown on stdout.
+
+With ``--repeats`` of 4 or more the noise floor of the per-point bar is printed too: at each point, the fastest
+non-adaptive server's runs split into odd and even ones, and the ratio of the two halves' medians (the smaller over
+the larger). A policy that ran exactly that server's shape would meet the bar no better than these ratios do.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,12 +36,22 @@ def rows_of(records: list[dict]) -> list[dict]:
             steps = adaptive.get("shape_steps") or {}
             total = sum(steps.values()) or 1
             mix = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(steps.items(), key=lambda kv: -kv[1])[:3])
-            out.append({"dataset": ds, "batch_size": bs, "none": none["output_throughput"],
+            fastest = max([none] + fixed, key=lambda r: r["output_throughput"])
+            out.append({"replica": replica_ratio(fastest.get("output_throughput_runs") or []),
+                        "dataset": ds, "batch_size": bs, "none": none["output_throughput"],
                         "best_fixed": best["output_throughput"],
                         "best_fixed_shape": f"D{best['budget']} K{best['topk']} S{best['num_steps']}",
                         "adaptive": adaptive["output_throughput"], "ratio": adaptive["output_throughput"] / base,
                         "adaptive_accept": adaptive["accept_length"], "mix": mix})
     return out
+
+
+def replica_ratio(runs: list[float]) -> float | None:
+    """One server's odd runs against its even runs (median over median, the smaller over the larger)."""
+    if len(runs) < 4:
+        return None
+    a, b = statistics.median(runs[0::2]), statistics.median(runs[1::2])
+    return min(a, b) / max(a, b)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -79,6 +94,11 @@ def main() -> None:
     ratios = sorted(r["ratio"] for r in rows)
     print(f"\nadaptive / max(none, best fixed): min {ratios[0]:.2f}, median {ratios[len(ratios) // 2]:.2f} "
           f"over {len(rows)} points")
+    replicas = sorted(r["replica"] for r in rows if r["replica"] is not None)
+    if replicas:
+        print(f"noise floor, the fastest non-adaptive server's odd runs against its even runs: min {replicas[0]:.2f}, "
+              f"median {replicas[len(replicas) // 2]:.2f}; {sum(x < 0.95 for x in replicas)} of {len(replicas)} "
+              f"points under 0.95")
     if args.png:
         plot(rows, args.png)
 

@@ -67,7 +67,7 @@ WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have some
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
-PROBE_EVERY = 32  # steps between two probes of a neighbour of the chosen shape
+PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
 STALE_DECAY = 0.97  # per step since an observation: how much of its weight the old value keeps
 
 

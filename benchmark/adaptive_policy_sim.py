@@ -1,0 +1,116 @@
+"""The adaptive budget's policy against a simulated server whose step times are as noisy as this CPU's.
+
+    python benchmark/adaptive_policy_sim.py [--seeds 12] [--steps 600] [--set PROBE_EVERY=16 ...] [--quiet-machine]
+
+Why: on the CPU one server's runs at one sweep point spread 8-60 %, so a sweep cannot tell two settings of the
+policy's constants apart. Here the server's own ``AdaptivePolicy`` (imported, not copied) chooses a shape per step
+and observes that step's time, as the worker does, for ``--steps`` steps at one batch size. The true step times
+come from a stated model, per scenario (milliseconds: a fixed part, the MTP's draft steps, and verification
+linear in the verified tokens), shaped after the served per-step times the worker's debug log gave on the embedded
+model (batch 32, GSM8K: no speculation 27 ms, D2 S1 41 ms, D3 S1 46 ms, D3 S2 62 ms). Acceptance per shape is
+stated too (the batch-32 GSM8K values: D2 S1 1.69, D3 S1 1.84, D4 S2 2.33, D8 S4 3.0 tokens per step) and known to
+the policy, so only the step times are learned. Each served step is the true time times noise: a per-step
+log-normal factor (sigma 0.12), a slowly varying machine factor (AR(1), 0.95 per step, innovations 0.08: stretches
+of tens of steps running 20-30 % slow or fast) and the first 30 steps 1.5x slower (memory touched for the first
+time at a new batch size). Printed per scenario: the policy's tokens per second over the best fixed shape's on the
+same noise sequence, min / median over the seeds, and over all scenarios. ``--quiet-machine`` drops the slow
+factor and the cold start.
+
+These are stated scenarios, not measurements; what they are for is comparing settings of the policy under one
+noise model.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from sglang_tree_v4.speculative import adaptive_budget as ab  # noqa: E402
+
+# Tokens per step by (D, S) (K = 3), as the policy's statistics would hold them.
+ACCEPT = {(1, 0): 1.0, (2, 1): 1.69, (3, 1): 1.84, (4, 1): 1.90, (3, 2): 2.12, (4, 2): 2.33, (5, 2): 2.45,
+          (6, 2): 2.55, (7, 2): 2.60, (8, 2): 2.65, (4, 3): 2.30, (5, 3): 2.50, (6, 3): 2.70, (7, 3): 2.80,
+          (8, 3): 2.88, (5, 4): 2.50, (6, 4): 2.75, (7, 4): 2.90, (8, 4): 3.00}
+# name -> (batch, fixed ms, ms per draft step, verify ms at 0 tokens, verify ms per token, ms of a speculative
+# step's acceptance and commit)
+SCENARIOS = {
+    "batch1": (1, 2.0, 4.0, 9.0, 0.3, 1.0),
+    "batch4": (4, 2.5, 5.0, 11.0, 0.25, 1.2),
+    "batch16": (16, 3.0, 7.0, 15.0, 0.16, 2.0),
+    "batch32": (32, 3.4, 10.0, 19.0, 0.14, 2.6),
+    "batch32_long_prompts": (32, 3.4, 10.0, 19.0, 0.42, 2.6),  # verification costly: no speculation is best
+    "batch64": (64, 4.0, 16.0, 20.0, 0.16, 4.0),
+}
+
+
+def true_ms(scenario: str, shape: tuple[int, int]) -> float:
+    batch, fixed, draft, v0, per_token, commit = SCENARIOS[scenario]
+    d, s = shape
+    drafting = 0.0 if s == 0 else draft * (0.75 if s == 1 else s) + commit
+    return fixed + drafting + v0 + per_token * batch * d
+
+
+def _startup_model(scenario: str, rng: random.Random) -> ab.StepTimes:
+    """What the startup measurement would give: the true costs, each curve off by up to +-30 %."""
+    batch = SCENARIOS[scenario][0]
+    times = ab.StepTimes()
+    none = true_ms(scenario, ab.NO_SPECULATION)
+    for s in range(1, 5):
+        times.draft[s] = ab.Curve({batch: (true_ms(scenario, (1, s)) - none) / 1e3 * rng.uniform(0.7, 1.3)})
+    times.verify = ab.Curve({batch * d: (true_ms(scenario, (d, 0))) / 1e3 * rng.uniform(0.8, 1.2)
+                             for d in range(1, 9)})
+    return times
+
+
+def run(scenario: str, seed: int, steps: int, quiet: bool) -> float:
+    """The policy's throughput over the best fixed shape's, on one noise sequence."""
+    rng = random.Random(seed)
+    batch = SCENARIOS[scenario][0]
+    policy = ab.AdaptivePolicy(8, 3, 4, _startup_model(scenario, rng))
+    for d, s in policy.menu:
+        policy.stats.sum[s, d], policy.stats.weight[s, d] = ACCEPT[(d, s)] * 10, 10
+    slow, noise, tokens, seconds = 0.0, [], 0.0, 0.0
+    for i in range(steps):
+        if not quiet:
+            slow = 0.95 * slow + rng.gauss(0, 0.08)
+        factor = math.exp(slow + rng.gauss(0, 0.12)) * (1.5 if i < 30 and not quiet else 1.0)
+        noise.append(factor)
+        shape = policy.choose(batch)
+        served = true_ms(scenario, shape) * factor / 1e3
+        policy.times.observe(batch, shape, served)
+        tokens += batch * ACCEPT[shape]
+        seconds += served
+    fixed = max(batch * ACCEPT[shape] * steps / sum(true_ms(scenario, shape) * f / 1e3 for f in noise)
+                for shape in policy.menu)
+    return tokens / seconds / fixed
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="override a constant of adaptive_budget, e.g. PROBE_EVERY=16")
+    ap.add_argument("--quiet-machine", action="store_true")
+    args = ap.parse_args(argv)
+    for item in args.set:
+        name, value = item.split("=")
+        if not hasattr(ab, name):
+            raise SystemExit(f"adaptive_budget has no constant {name}")
+        setattr(ab, name, type(getattr(ab, name))(value))
+    everything = []
+    print("| scenario | policy / best fixed, min | median |")
+    print("|---|---|---|")
+    for scenario in SCENARIOS:
+        ratios = [run(scenario, seed, args.steps, args.quiet_machine) for seed in range(args.seeds)]
+        everything += ratios
+        print(f"| {scenario} | {min(ratios):.3f} | {statistics.median(ratios):.3f} |")
+    print(f"| all | {min(everything):.3f} | {statistics.median(everything):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
