@@ -366,25 +366,24 @@ class TreeV4Worker(BaseSpecWorker):
         self.shape_counts[key] = self.shape_counts.get(key, 0) + 1
         start, drafted, verified = marks
         end = time.perf_counter()
+        previous, self._last_round_end = self._last_round_end, (end, bs)
         if logger.isEnabledFor(logging.DEBUG):
-            gap = start - self._last_round_end[0] if self._last_round_end else float("nan")
+            gap = start - previous[0] if previous else float("nan")
             logger.debug("TREE_V4 step: batch %d, shape %s, accepted %d, draft %.2f ms, verify %.2f ms, "
                          "accept+commit %.2f ms, scheduler since the last round %.2f ms", bs, key,
                          int(verdict.accept_lens.sum()), 1e3 * (drafted - start), 1e3 * (verified - drafted),
                          1e3 * (end - verified), 1e3 * gap)
         if self.policy is None:
-            self._last_round_end = (end, bs)
             return
         if S > 0:
             self.policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, shape)
             self.policy.times.draft.setdefault(S, Curve()).add(bs, drafted - start)
         self.policy.times.verify.add(bs * D, verified - drafted)
         rest = end - verified
-        if self._last_round_end is not None and self._last_round_end[1] == bs and start - self._last_round_end[0] < 1:
-            rest += start - self._last_round_end[0]  # the scheduler's part of a back-to-back round
-            self.policy.times.observe(bs, shape, end - self._last_round_end[0])  # the whole round, scheduler included
+        if previous is not None and previous[1] == bs and start - previous[0] < 1:
+            rest += start - previous[0]  # the scheduler's part of a back-to-back round
+            self.policy.times.observe(bs, shape, end - previous[0])  # the whole round, scheduler included
         self.policy.times.rest.add(bs, rest)
-        self._last_round_end = (end, bs)
 
 
 class _Output:
