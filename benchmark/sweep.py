@@ -164,8 +164,10 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
                             bench_server.measure(servers[cfg], texts[ds][:n_for[bs]], bs, sampling)
                         except Exception:  # noqa: BLE001 - reported by the measured runs below
                             pass
-                for _ in range(args.repeats):  # in turn, so every shape sees each stretch of background load
-                    for cfg in list(runs):
+                for rep in range(args.repeats):  # in turn, so every shape sees each stretch of background load,
+                    order = list(runs)  # starting one server later each time (no server always runs first)
+                    first = rep % len(order) if order else 0
+                    for cfg in order[first:] + order[:first]:
                         shape, budget, topk, steps = cfg
                         bar.set_postfix_str(f"{shape} D={budget} K={topk} S={steps} {ds} bs={bs}")
                         try:

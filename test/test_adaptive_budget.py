@@ -187,8 +187,11 @@ class _Forgetful(dict):
 
 def _noisy_served(advantage: float, hysteresis: bool, seed: int = 0) -> tuple[list[tuple[int, int]], float]:
     """At batch 1, when the D8 S4 tree truly emits ``advantage`` times the baseline's tokens per second and every
-    other tree breaks even, each served step time off by up to +-25 % (as on the CPU): the shapes chosen over 2000
-    steps after 1000 to settle, and their throughput against the baseline's (noise-free step times)."""
+    other tree breaks even, served as on the CPU: the startup model off by up to +-30 % per shape, each step off by
+    up to +-25 %, and the machine drifting in stretches of tens of steps (log-speed AR(1), 0.95, innovations 0.08).
+    -> the shapes chosen over 2000 steps after 1000 to settle, and their throughput against the baseline's
+    (noise-free step times)."""
+    import math
     import random
     rng = random.Random(seed)
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
@@ -198,20 +201,29 @@ def _noisy_served(advantage: float, hysteresis: bool, seed: int = 0) -> tuple[li
     def true_seconds(shape):
         return 0.01 * policy.stats.expected(shape) / (advantage if shape == (8, 4) else 1.0)
 
-    chosen = _served(policy, 1, 3000, lambda shape: true_seconds(shape) * rng.uniform(0.75, 1.25))[1000:]
+    model_error = {shape: rng.uniform(0.7, 1.3) for shape in policy.menu}
+    policy.times.model = lambda batch, shape: true_seconds(shape) * model_error[shape]
+    machine = [0.0]
+
+    def served(shape):
+        machine[0] = 0.95 * machine[0] + rng.gauss(0, 0.08)
+        return true_seconds(shape) * math.exp(machine[0]) * rng.uniform(0.75, 1.25)
+
+    chosen = _served(policy, 1, 3000, served)[1000:]
     tokens = sum(policy.stats.expected(c) for c in chosen)
     seconds = sum(true_seconds(c) for c in chosen)
     return chosen, tokens / seconds / 100.0
 
 
-@pytest.mark.parametrize("hysteresis", [True, False])
-def test_hysteresis_keeps_a_tree_that_pays_through_noisy_step_times(hysteresis):
+def test_hysteresis_keeps_a_tree_that_pays_through_noisy_step_times():
     """A tree 15 % ahead, estimated from step times as noisy as this CPU's: entering speculation needs the margin,
-    leaving it needs the baseline ahead, so the policy stays with the tree (>= 93 % of the steps, the rest being
-    baseline probes); without hysteresis (the control) every dip of the estimate under the margin drops it."""
-    chosen, _ = _noisy_served(1.15, hysteresis)
-    share = sum(c != NO_SPECULATION for c in chosen) / len(chosen)
-    assert (share >= 0.93) if hysteresis else (share < 0.93), share
+    leaving it needs the baseline ahead, so the policy keeps most of the tree's gain (>= 1.12x the baseline's
+    throughput, mean of 4 noise sequences); without hysteresis (the control) the estimate's dips under the margin
+    drop it, at least 1 % more of the throughput lost."""
+    kept = [_noisy_served(1.15, True, seed)[1] for seed in range(4)]
+    forgetful = [_noisy_served(1.15, False, seed)[1] for seed in range(4)]
+    assert sum(kept) / 4 >= 1.12, kept
+    assert sum(forgetful) / 4 <= sum(kept) / 4 - 0.01, (kept, forgetful)
 
 
 def test_hysteresis_does_not_keep_a_tree_that_loses():
@@ -222,10 +234,11 @@ def test_hysteresis_does_not_keep_a_tree_that_loses():
     assert chosen.count((8, 4)) / len(chosen) <= 2 / EXPLORE_SHARE, chosen.count((8, 4))
 
 
-def test_a_shape_timed_while_the_machine_was_slow_is_probed_again():
-    """What the CPU served at batch 32: D2 S1 timed during a slow stretch (here 1.6x its true time) and D3 S1 after
-    it. D2 S1 truly emits 5 % more tokens per second, so the policy must come back to it: its neighbour probe
-    re-times it. The control, without probes, keeps to D3 S1."""
+def test_a_shape_the_model_makes_slow_is_probed_and_comes_back():
+    """What the CPU served at batch 32: D2 S1 timed in a slow stretch (here the model holds 1.6x its true time)
+    while D3 S1 was timed right. D2 S1 truly emits 5 % more tokens per second, so the policy must come back to it:
+    its neighbour probe serves it, and the served steps correct its time. The control, without probes, never
+    serves D2 S1 and keeps to D3 S1."""
     for probes in (True, False):
         policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
         policy.menu = [NO_SPECULATION, (2, 1), (3, 1)]
@@ -233,13 +246,51 @@ def test_a_shape_timed_while_the_machine_was_slow_is_probed_again():
         policy.stats.sum[1, 2], policy.stats.sum[1, 3] = 16.9, 18.4  # 1.69 and 1.84 tokens per step
         batch, rate = 32, {NO_SPECULATION: 0.76, (2, 1): 1.30, (3, 1): 1.234}  # tokens per ms per request
         true_ms = {shape: batch * policy.stats.expected(shape) / rate[shape] for shape in rate}
+        policy.times.model = lambda b, shape: true_ms[shape] * (1.6 if shape == (2, 1) else 1.0)
         if not probes:
             policy._stalest_neighbour = lambda b, shape: None
-        policy.times.observe(batch, (2, 1), 1.6 * true_ms[(2, 1)])
-        policy.times.observe(batch, NO_SPECULATION, true_ms[NO_SPECULATION])
         chosen = _served(policy, batch, 300, lambda shape: true_ms[shape])[100:]
         share = chosen.count((2, 1)) / len(chosen)
         assert (share >= 0.85) if probes else (share <= 0.05), (probes, share)
+
+
+def _fit_errors(seed: int) -> tuple[list[float], list[float]]:
+    """Served = modelled x a shape's own error x the machine's passing speed (log-speed AR(1), 0.95, innovations
+    0.08: stretches 20-30 % slow or fast) x per-step noise, for 600 steps in runs of 10 per shape. -> relative
+    errors of each tree's time against the baseline's: as the fit predicts them, and as the averages of each
+    shape's latest run of served ratios give them (what a table of each shape's own steps holds)."""
+    import math
+    import random
+    from sglang_tree_v4.speculative.adaptive_budget import TimeFit
+    rng = random.Random(seed)
+    error = {NO_SPECULATION: 0.8, (2, 1): 1.0, (4, 2): 1.25, (8, 4): 1.1}
+    shapes = list(error)
+    fit, served, machine = TimeFit(), {shape: [] for shape in shapes}, 0.0
+    for step in range(600):
+        machine = 0.95 * machine + rng.gauss(0, 0.08)
+        shape = shapes[(step // 10) % len(shapes)]
+        ratio = error[shape] * math.exp(machine) * rng.uniform(0.8, 1.25)
+        fit.add(shape, math.log(ratio))
+        served[shape].append(ratio)
+    truth = {shape: error[shape] / error[NO_SPECULATION] for shape in shapes[1:]}
+    base = fit.log_ratio(NO_SPECULATION)
+    fitted = [math.exp(fit.log_ratio(shape) - base) / truth[shape] - 1 for shape in truth]
+    latest = {shape: sum(v[-10:]) / 10 for shape, v in served.items()}
+    averaged = [latest[shape] / latest[NO_SPECULATION] / truth[shape] - 1 for shape in truth]
+    return fitted, averaged
+
+
+def test_time_fit_learns_each_shapes_error_through_a_drifting_machine():
+    """The fit against its ground truth: over 5 noise sequences its relative error of each tree's time against
+    the baseline's is at most 6 % on average (measured 4 %); the per-shape averages (the control) are off by at
+    least 15 % on average (measured 25 %): they carry the stretch each shape happened to run in."""
+    fitted, averaged = [], []
+    for seed in range(5):
+        f, a = _fit_errors(seed)
+        fitted += [abs(x) for x in f]
+        averaged += [abs(x) for x in a]
+    assert sum(fitted) / len(fitted) <= 0.06, fitted
+    assert sum(averaged) / len(averaged) >= 0.15, averaged
 
 
 @pytest.mark.parametrize("observed_ahead,want", [(0.97, NO_SPECULATION), (1.03, (2, 1))])

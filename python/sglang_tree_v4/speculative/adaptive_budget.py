@@ -29,18 +29,21 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   comparison that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model
   alone, calibrated by the speculative shapes' observed times, overestimated a step without speculation at batch
   16-64 and the server speculated where not speculating was up to 30 % faster.)
-* ``T_*`` are step times measured on this device: at startup (``step_timer``, cached per model, device and TP)
-  and refined online from every step's own timings (exponential moving averages, interpolated in the batch size
-  and, for verification, in the number of verified tokens).
-* A shape's observed step time is only as good as the moment it was taken: a shape timed while the machine was
-  slow (another process, memory touched for the first time at a new batch size) would otherwise look slow for as
-  long as the policy never runs it again. (Measured on the CPU: at batch 32 the D2 S1 tree was timed at 68 ms in
-  the first run, 41 ms later, and the policy kept to D3 S1, 5 % behind D2, for the rest of the run.) So every
-  ``PROBE_EVERY`` steps the policy runs the neighbour of its choice (D +- 1 or S +- 1; the smallest tree next to
-  "no speculation") that it observed longest ago, and an observation's old value weighs less the older it is
-  (``STALE_DECAY`` per step), so that one fresh step mostly replaces a stale one. Neighbours are at most a few
-  percent apart, so the probes cost little; a probe that comes out better makes the policy move there, and the
-  shape it left becomes the neighbour that is probed.
+* ``T_*`` are step times measured on this device at startup (``step_timer``, cached per model, device and TP;
+  interpolated in the batch size and, for verification, in the number of verified tokens), plus the rest of the
+  round (scheduler, acceptance) measured online. Served steps correct this model through ``TimeFit``, per batch
+  size: a Kalman filter over log(served / modelled) with a fast-moving machine term, slow terms for what the model
+  gets wrong about speculating, verifying and drafting, and a slow term per shape. The startup model is not itself
+  refined online: a curve point refreshed from the steps that ran it carries the machine's speed at that moment,
+  so shapes timed in a slow stretch looked slow for as long as they did not run again (measured on the CPU: at
+  batch 32 the D2 S1 tree was timed at 68 ms in the first run, 41 ms later, and the policy kept to D3 S1, 5 %
+  behind D2, for the rest of the run). In a simulation of the policy under this CPU's step-time noise
+  (``benchmark/adaptive_policy_sim.py``) the filter raised the policy's mean throughput from 0.948 to 0.968 of the
+  best fixed shape's.
+* Every ``PROBE_EVERY`` steps the policy runs the neighbour of its choice (D +- 1 or S +- 1; the smallest tree
+  next to "no speculation") that it served longest ago, so that the shapes near the choice keep being served and
+  their own terms stay current. Neighbours are at most a few percent apart, so the probes cost little; a probe
+  that comes out better makes the policy move there.
 
 The choice never changes what is emitted: any shape's tree is verified losslessly, and the no-speculation step is
 ordinary decoding. On tensor-parallel servers rank 0 chooses and broadcasts (timings differ per rank).
@@ -49,8 +52,10 @@ ordinary decoding. On tensor-parallel servers rank 0 chooses and broadcasts (tim
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree
@@ -68,7 +73,16 @@ STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of 
 STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
 PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
-STALE_DECAY = 0.97  # per step since an observation: how much of its weight the old value keeps
+# The step-time correction tracked per batch size (``TimeFit``), in log(served / modelled) step time. As (standard
+# deviation at first, drift per served step): the level (how far off the model is overall), the shared terms (what
+# it gets wrong about speculating, verifying, drafting) and each shape's own term. The machine's passing speed is
+# mean-reverting: (correlation from one step to the next, innovation per step); on the CPU stretches of tens of
+# steps run 20-30 % slow or fast. And one step's own noise.
+FIT_LEVEL_SD = (1.0, 0.01)
+FIT_SHARED_SD = (0.5, 0.01)
+FIT_SHAPE_SD = (0.3, 0.005)
+FIT_MACHINE = (0.95, 0.08)
+FIT_NOISE_SD = 0.12
 
 
 def shape_menu(max_tokens: int, topk: int, max_steps: int) -> list[tuple[int, int]]:
@@ -163,6 +177,66 @@ class Curve:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+class TimeFit:
+    """At one batch size: how served step times depart from the model, tracked from every shape's steps.
+
+    ``log(served / modelled) = a + m + b * speculating + c * (D - 1) / 8 + e * S / 4 + f[shape] + noise``: ``a`` is
+    how far off the model is overall, ``m`` the machine's passing speed (mean-reverting, fast), ``b, c, e`` what the
+    model gets wrong about speculating, verifying and drafting, ``f`` a shape's own error; all but ``m`` move
+    slowly. A Kalman filter tracks them (``FIT_*``). Why not each shape's own average of its steps: those are the
+    few steps it ran, each off by 10-30 % on the CPU and taken at a different moment of a drifting machine, so the
+    shapes' averages differ by more than the shapes do and the choice follows the noise (a shape timed in a slow
+    stretch stays out of the choice). Here a slow stretch shows in every shape's steps and goes to ``m``, every step
+    informs every shape through the shared terms, and a shape's own term grows only with its own steps.
+    """
+
+    SHARED = 5  # a, m, b, c, e
+
+    def __init__(self):
+        self.shapes: dict[tuple[int, int], int] = {}
+        phi, innovation = FIT_MACHINE
+        self.beta = np.zeros(self.SHARED)
+        self.cov = np.diag(np.array([FIT_LEVEL_SD[0], innovation / math.sqrt(1 - phi ** 2)] + [FIT_SHARED_SD[0]] * 3)
+                           ** 2)
+        self.drift = np.array([FIT_LEVEL_SD[1], innovation] + [FIT_SHARED_SD[1]] * 3) ** 2
+        self.coef = self.beta.tolist()
+
+    def add(self, shape: tuple[int, int], log_ratio: float) -> None:
+        """One served step's log(served / modelled). (numpy: these are a few dozen numbers, where torch's per-call
+        overhead made an update cost 0.27 ms on the CPU.)"""
+        if shape not in self.shapes:
+            self.shapes[shape] = len(self.shapes)
+            self.beta = np.append(self.beta, 0.0)
+            self.cov = np.pad(self.cov, ((0, 1), (0, 1)))
+            self.cov[-1, -1] = FIT_SHAPE_SD[0] ** 2
+            self.drift = np.append(self.drift, FIT_SHAPE_SD[1] ** 2)
+        phi = FIT_MACHINE[0]  # one step on: the machine term reverts towards 0, everything may have moved
+        self.beta[1] *= phi
+        self.cov[1, :] *= phi
+        self.cov[:, 1] *= phi
+        self.cov[np.diag_indices_from(self.cov)] += self.drift
+        d, s = shape
+        x = np.zeros(len(self.beta))
+        x[:self.SHARED] = 1.0, 1.0, float(s > 0), (d - 1) / 8, s / 4
+        x[self.SHARED + self.shapes[shape]] = 1.0
+        px = self.cov @ x
+        spread = float(x @ px) + FIT_NOISE_SD ** 2
+        # One outlier (a step stalled by something else on the machine) moves the terms by at most 3 sd of what
+        # was expected; a real change takes a few steps.
+        surprise = min(max(log_ratio - float(x @ self.beta), -3 * spread ** 0.5), 3 * spread ** 0.5)
+        gain = px / spread
+        self.beta += gain * surprise
+        self.cov -= np.outer(gain, px)
+        self.coef = self.beta.tolist()  # read by every prediction of the next choice
+
+    def log_ratio(self, shape: tuple[int, int]) -> float:
+        """The expected log(served / modelled) of ``shape``'s next step here."""
+        d, s = shape
+        b = self.coef
+        own = b[self.SHARED + self.shapes[shape]] if shape in self.shapes else 0.0
+        return b[0] + FIT_MACHINE[0] * b[1] + b[2] * (s > 0) + b[3] * (d - 1) / 8 + b[4] * s / 4 + own
+
+
 @dataclass
 class StepTimes:
     """The step-time model: draft (per depth S, over the batch size), verify (over the verified tokens), rest of
@@ -175,31 +249,32 @@ class StepTimes:
     # batch size the ratio of observed to modelled step time, which scales the model for shapes not yet observed
     # there (so observed and modelled candidates compare on one scale).
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    scale: dict[int, float] = field(default_factory=dict)
+    fits: dict[int, TimeFit] = field(default_factory=dict)
     # The policy's step count (``clock``, set by the policy) when each observation was last updated.
     observed_at: dict[tuple[int, int, int], int] = field(default_factory=dict)
     clock: int = 0
 
     def observe(self, batch: int, shape: tuple[int, int], seconds: float) -> None:
+        """A served step: into the fit at this batch size, and the shape's own average (for the policy's record
+        of what it has served, and the time where there is no model)."""
         key = (batch, *shape)
         old = self.observed.get(key)
-        if old is None:
-            self.observed[key] = seconds
-        else:  # a stale value keeps less of its weight: see the module doc
-            keep = (1 - TIME_EMA) * STALE_DECAY ** max(self.clock - self.observed_at[key] - 1, 0)
-            self.observed[key] = keep * old + (1 - keep) * seconds
+        self.observed[key] = seconds if old is None else (1 - TIME_EMA) * old + TIME_EMA * seconds
         self.observed_at[key] = self.clock
         model = self.model(batch, shape)
-        if model:
-            ratio, old = min(max(seconds / model, 0.5), 2.0), self.scale.get(batch)  # one outlier moves it little
-            self.scale[batch] = ratio if old is None else (1 - TIME_EMA) * old + TIME_EMA * ratio
+        if model and seconds > 0:
+            self.fits.setdefault(batch, TimeFit()).add(shape, math.log(seconds / model))
 
     def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
-        seen = self.observed.get((batch, *shape))
-        if seen is not None:
-            return seen
+        """The model corrected by the fit at this batch size (at a batch size not yet served: the nearest one
+        served); without a model, the shape's own observations."""
         model = self.model(batch, shape)
-        return None if model is None else model * self.scale.get(batch, 1.0)
+        if model is None:
+            return self.observed.get((batch, *shape))
+        fit = self.fits.get(batch)
+        if fit is None and self.fits:
+            fit = self.fits[min(self.fits, key=lambda b: abs(math.log(b / batch)))]
+        return model if fit is None else model * math.exp(fit.log_ratio(shape))
 
     def model(self, batch: int, shape: tuple[int, int]) -> float | None:
         d, s = shape

@@ -49,7 +49,7 @@ from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcac
 from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
-from .adaptive_budget import NO_SPECULATION, AdaptivePolicy, Curve
+from .adaptive_budget import NO_SPECULATION, AdaptivePolicy
 from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
                           mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
@@ -359,8 +359,9 @@ class TreeV4Worker(BaseSpecWorker):
             speculative_num_draft_tokens=D_max)
 
     def _account(self, bs, shape, tree, verdict, marks) -> None:
-        """Counters per shape; for the adaptive budget also this step's acceptance (for every smaller shape) and
-        timings (draft, verify, the rest of the round incl. the scheduler's time since the previous round)."""
+        """Counters per shape; for the adaptive budget also this step's acceptance (for every smaller shape), the
+        whole round's time (into the step-time fit) and the rest of the round apart from draft and verify (incl. the
+        scheduler's time since the previous round; the startup model has no such term)."""
         D, S = shape
         key = "none" if S == 0 else f"D{D}_K{self.budget.topk}_S{S}"
         self.shape_counts[key] = self.shape_counts.get(key, 0) + 1
@@ -377,9 +378,7 @@ class TreeV4Worker(BaseSpecWorker):
             return
         if S > 0:
             self.policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, shape)
-            self.policy.times.draft.setdefault(S, Curve()).add(bs, drafted - start)
-        self.policy.times.verify.add(bs * D, verified - drafted)
-        rest = end - verified
+        rest = end - verified  # the startup model's draft and verify times stay as measured: see TimeFit
         if previous is not None and previous[1] == bs and start - previous[0] < 1:
             rest += start - previous[0]  # the scheduler's part of a back-to-back round
             self.policy.times.observe(bs, shape, end - previous[0])  # the whole round, scheduler included
