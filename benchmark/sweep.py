@@ -2,15 +2,15 @@
 
     python benchmark/sweep.py [--quick] [--datasets gsm8k mbpp sharegpt] [--budgets 5 6 7 8]
         [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
-        [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8] [--max-new-tokens 64]
+        [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8 --waves 1] [--max-new-tokens 64]
         [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
 the per-request ``meta_info`` counts make restarts unnecessary. The servers of one budget (tree and chain) run
 side by side and each point is measured on one, then the other, so both see the same background load. Each point
-sends ``num_prompts`` prompts (default max(batch size, --min-prompts)) with ``batch_size`` requests in flight, greedy
-(temperature 0) and ignoring EOS so every request decodes ``--max-new-tokens`` tokens, as SGLang's own benchmarks
-do. Before a point is measured, each server runs it ``--warmup-runs`` times unmeasured: the first run at a new
+sends ``num_prompts`` prompts (default max(--waves x batch size, --min-prompts)) with ``batch_size`` requests in
+flight, greedy (temperature 0) and ignoring EOS so every request decodes ``--max-new-tokens`` tokens, as SGLang's
+own benchmarks do. Before a point is measured, each server runs it ``--warmup-runs`` times unmeasured: the first run at a new
 batch size pays for memory the server touches for the first time (and an adaptive server has not yet timed its
 shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line per point
 (fields:
@@ -46,8 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", nargs="+", choices=bc.SHAPES, default=list(bc.SHAPES))
     ap.add_argument("--tree-shapes", nargs="+", default=None, metavar="K:S",
                     help="explicit tree shapes instead of the per-budget rule (each run at every budget)")
-    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per point (default max(bs, min))")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="prompts per point (default max(waves x bs, min-prompts))")
     ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--waves", type=int, default=1,
+                    help="prompts per point as a multiple of the batch size: with more than one wave the server "
+                         "holds the batch size for that many requests' lifetimes (closer to steady serving, and a "
+                         "run long enough that a stretch of a slow machine does not decide it)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure each point this many times (in turn across the servers); the median run is kept")
@@ -133,17 +138,24 @@ def _median_run(ms: list[dict]) -> dict:
 
 
 def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: Path, out, bar) -> int:
-    """Start the group's servers together, then measure each point on each server in turn, so that the shapes
+    """Start the group's servers (an adaptive one first), then measure each point on each server in turn, so that the shapes
     compared at a point see the same background load (the machine may be shared). -> failed configurations."""
     servers: dict[tuple, bench_server.Server] = {}
     failures = 0
     try:
-        for cfg in group:
+        # An adaptive server times its steps at startup: it starts first and alone, as a user's server would, not
+        # next to four others loading (which made that measurement up to 5x off on the CPU).
+        for cfg in sorted(group, key=lambda c: c[0] != "adaptive"):
             shape, budget, topk, steps = cfg
             log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
             flags = (["--speculative-algorithm", "TREE_V4"] if shape == "adaptive" else
                      bench_server.spec_args(topk, steps, budget))
             servers[cfg] = bench_server.launch(args.model_path, args.device, flags + args.server_args.split(), log)
+            if shape == "adaptive":
+                try:
+                    bench_server.wait_healthy(servers[cfg])
+                except Exception:  # noqa: BLE001 - reported by the health check below
+                    pass
         bar.set_postfix_str("starting " + ", ".join(f"{c[0]} D={c[1]} K={c[2]} S={c[3]}" for c in group))
         for cfg in list(servers):
             try:
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         done = {bc.record_key(r) for r in bc.load_records(out_path)}
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sweep-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    n_for = {bs: args.num_prompts or max(bs, args.min_prompts) for bs in args.batch_sizes}
+    n_for = {bs: args.num_prompts or max(args.waves * bs, args.min_prompts) for bs in args.batch_sizes}
     texts = {ds: bench_prompts.chat_texts(args.model_path, ds, max(n_for.values())) for ds in args.datasets}
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "ignore_eos": not args.respect_eos}
