@@ -10,12 +10,12 @@ the per-request ``meta_info`` counts make restarts unnecessary. The servers of o
 side by side and each point is measured on one, then the other, so both see the same background load. Each point
 sends ``num_prompts`` prompts (default max(--waves x batch size, --min-prompts)) with ``batch_size`` requests in
 flight, greedy (temperature 0) and ignoring EOS so every request decodes ``--max-new-tokens`` tokens, as SGLang's
-own benchmarks do. Before a point is measured, each server runs it ``--warmup-runs`` times unmeasured: the first run at a new
-batch size pays for memory the server touches for the first time (and an adaptive server has not yet timed its
-shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line per point
-(fields:
-``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short run keeps its points.
-The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
+own benchmarks do. Before a point is measured, each server runs it ``--warmup-runs`` times unmeasured: the first
+run at a new batch size pays for memory the server touches for the first time (and an adaptive server has not yet
+timed its shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line
+per point (fields: ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short
+run keeps its points. The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it
+with explicit shapes.
 """
 from __future__ import annotations
 
@@ -138,8 +138,9 @@ def _median_run(ms: list[dict]) -> dict:
 
 
 def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: Path, out, bar) -> int:
-    """Start the group's servers (an adaptive one first), then measure each point on each server in turn, so that the shapes
-    compared at a point see the same background load (the machine may be shared). -> failed configurations."""
+    """Start the group's servers (an adaptive one first), then measure each point on each server in turn, so that
+    the shapes compared at a point see the same background load (the machine may be shared). -> failed
+    configurations."""
     servers: dict[tuple, bench_server.Server] = {}
     failures = 0
     try:

@@ -215,9 +215,8 @@ class TimeFit:
         self.cov[1, :] *= phi
         self.cov[:, 1] *= phi
         self.cov[np.diag_indices_from(self.cov)] += self.drift
-        d, s = shape
         x = np.zeros(len(self.beta))
-        x[:self.SHARED] = 1.0, 1.0, float(s > 0), (d - 1) / 8, s / 4
+        x[:self.SHARED] = self._terms(shape, machine=1.0)
         x[self.SHARED + self.shapes[shape]] = 1.0
         px = self.cov @ x
         spread = float(x @ px) + FIT_NOISE_SD ** 2
@@ -229,12 +228,18 @@ class TimeFit:
         self.cov -= np.outer(gain, px)
         self.coef = self.beta.tolist()  # read by every prediction of the next choice
 
+    @staticmethod
+    def _terms(shape: tuple[int, int], machine: float) -> tuple[float, ...]:
+        """The shared terms' features of ``shape`` (a, m, b, c, e); ``machine``: the weight of the machine term
+        (1 for the step just served, its decay for the next one)."""
+        d, s = shape
+        return 1.0, machine, float(s > 0), (d - 1) / 8, s / 4
+
     def log_ratio(self, shape: tuple[int, int]) -> float:
         """The expected log(served / modelled) of ``shape``'s next step here."""
-        d, s = shape
         b = self.coef
         own = b[self.SHARED + self.shapes[shape]] if shape in self.shapes else 0.0
-        return b[0] + FIT_MACHINE[0] * b[1] + b[2] * (s > 0) + b[3] * (d - 1) / 8 + b[4] * s / 4 + own
+        return sum(c * t for c, t in zip(b, self._terms(shape, machine=FIT_MACHINE[0]))) + own
 
 
 @dataclass
@@ -245,9 +250,8 @@ class StepTimes:
     draft: dict[int, Curve] = field(default_factory=dict)
     verify: Curve = field(default_factory=Curve)
     rest: Curve = field(default_factory=Curve)
-    # Whole steps as this server ran them, per (batch size, shape): what the model is only a prior for; and per
-    # batch size the ratio of observed to modelled step time, which scales the model for shapes not yet observed
-    # there (so observed and modelled candidates compare on one scale).
+    # Whole steps as this server ran them, per (batch size, shape): each shape's own average (the record of what
+    # was served, and the time where there is no model); and per batch size the fit that corrects the model.
     observed: dict[tuple[int, int, int], float] = field(default_factory=dict)
     fits: dict[int, TimeFit] = field(default_factory=dict)
     # The policy's step count (``clock``, set by the policy) when each observation was last updated.

@@ -7,10 +7,10 @@ The state is zeros, which costs the same as real state. Every point is timed onc
 passes over the whole grid, and keeps its fastest: a stretch of contention (on the CPU, other servers starting
 next to this one) lasts seconds, so repeats taken back to back share it, while passes seconds apart mostly do
 not. (Measured: a startup next to four other starting servers, two back-to-back repeats, timed one draft depth
-at 5x its neighbours.) The result is the model that ``adaptive_budget.StepTimes`` corrects with served steps. It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME``
-honoured), keyed by the checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the
-kind of verify step (eager or fixed-shape, which cost differently), and read back on the next start instead of
-measuring again.
+at 5x its neighbours.) The result is the model that ``adaptive_budget.StepTimes`` corrects with served steps.
+It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME`` honoured), keyed by the
+checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the kind of verify step
+(eager or fixed-shape, which cost differently), and read back on the next start instead of measuring again.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
                 times: StepTimes, passes: int = PASSES) -> None:
     fastest: dict[tuple, float] = {}
 
-    def timed(key, run) -> None:
+    def timed(key, run):  # -> what ``run`` returned; its time into ``fastest``
         start = time.perf_counter()
         out = run()
         _sync(device)
