@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_SHARE, NO_SPECULATION, PROBE_EVERY, WARMUP_STEPS,
-                                                        AdaptivePolicy, Curve, StepTimes, counterfactual_accepts,
-                                                        shape_menu)
+from sglang_tree_v4.speculative import adaptive_budget
+from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_REACH, EXPLORE_SHARE, NO_SPECULATION, PROBE_CHANCE,
+                                                        PROBE_EVERY, WARMUP_STEPS, AdaptivePolicy, Curve, StepTimes,
+                                                        counterfactual_accepts, shape_menu)
 from sglang_tree_v4.tree import DraftTree, build_draft_tree, verify_greedy
 from sglang_tree_v4.tree.synthetic import PathHashDrafter
 from test_tree_verify_greedy import target_logits_favouring_tree
@@ -58,9 +59,10 @@ def test_counterfactual_accepts_equal_greedy_verification_of_each_smaller_tree(s
     assert checked == B * S * (D - 1)
 
 
-def test_statistics_come_from_every_fourth_step_and_every_run_of_the_largest_shape():
-    """``learn`` samples the steps (STATS_EVERY) but never skips the largest shape, the only source of the shapes
-    above the chosen one; the table it feeds equals ``expected`` shape by shape."""
+def test_statistics_come_from_every_fourth_step_and_every_exploring_run():
+    """``learn`` samples the steps (STATS_EVERY) but never skips the largest shape or an exploring run (of a smaller
+    shape where that is what exploration covers), the only source of the shapes above the chosen one; the table it
+    feeds equals ``expected`` shape by shape."""
     from sglang_tree_v4.speculative.adaptive_budget import STATS_EVERY
     gen = torch.Generator().manual_seed(0)
     B, D, K, S = 4, 8, 3, 4
@@ -81,6 +83,11 @@ def test_statistics_come_from_every_fourth_step_and_every_run_of_the_largest_sha
     assert policy.stats.expected((8, 4)) == pytest.approx(float(cf[:, 4, 8].mean()))
     table = policy.stats.table()
     assert all(table[s][d] == pytest.approx(policy.stats.expected((d, s))) for d, s in policy.menu)
+    for exploring in (False, True):  # right after an update, a (4, 2) step counts only if it explored
+        policy.exploring = exploring
+        before = float(policy.stats.weight[2, 4])
+        policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, (4, 2))
+        assert (float(policy.stats.weight[2, 4]) != before) == exploring
 
 
 def test_curve_interpolates_and_extrapolates_proportionally():
@@ -119,19 +126,58 @@ def test_policy_speculates_fully_when_drafting_is_cheap_and_drafts_are_accepted(
     assert policy.choose(1) == (8, 4)
 
 
-def test_policy_explores_the_largest_shape_for_about_one_fiftieth_of_the_time():
-    """Exploring costs the largest shape's step time; it runs once per EXPLORE_SHARE x (its time / the chosen
-    shape's) steps, so its share of the time stays near 1 / EXPLORE_SHARE at any batch size. The other steps are
-    the choice (no speculation) and, once per PROBE_EVERY steps, a probe of its neighbour, the smallest tree."""
+def _explored_share(policy: AdaptivePolicy, batch: int, chosen: list[tuple[int, int]], shape) -> float:
+    times = {c: policy.times.predict(batch, c) for c in set(chosen)}
+    return chosen.count(shape) * times[shape] / sum(times[c] for c in chosen)
+
+
+def test_policy_explores_the_largest_shape_for_about_one_fiftieth_of_the_time_where_it_may_pay():
+    """Exploring costs the explored shape's step time; it runs once per EXPLORE_SHARE x (its time / the chosen
+    shape's) steps, so its share of the time stays near 1 / EXPLORE_SHARE. Where the largest shape's rate is
+    within EXPLORE_REACH of the best (cheap drafting, good acceptance), the largest shape is the one explored."""
+    for batch in (1, 8):
+        policy = _policy(draft_s=0.002, verify_per_token=0.0003, accepted=3)
+        chosen = [policy.choose(batch) for _ in range(2000)]
+        assert policy._explore_shape() == (8, 4) and chosen.count((8, 4)) >= 1
+        share = _explored_share(policy, batch, chosen, (8, 4))
+        assert 0.5 / EXPLORE_SHARE < share < 1.5 / EXPLORE_SHARE, (batch, share)
+
+
+@pytest.mark.parametrize("reach", [EXPLORE_REACH, 1e9])
+def test_where_every_tree_is_far_behind_exploration_runs_the_best_tree_not_the_largest(reach, monkeypatch):
+    """Measured on the CPU at batch 64: no tree pays, yet the largest shape's runs (1 % of the steps, each as long
+    as four plain steps) cost the adaptive server about 1.3 ms per step. Exploration only has to refresh the
+    statistics of the trees that could matter, so there it runs the best tree, for the same share of the time.
+    The control, with every tree within reach, explores the largest shape as before."""
+    monkeypatch.setattr(adaptive_budget, "EXPLORE_REACH", reach)
+    monkeypatch.setattr(adaptive_budget, "PROBE_EVERY", 10 ** 9)  # the smallest tree is also the probes' shape
     for batch in (1, 8, 64):
         policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
         chosen = [policy.choose(batch) for _ in range(2000)]
-        explored = chosen.count((8, 4))
-        assert explored >= 1 and set(chosen) == {(8, 4), (2, 1), NO_SPECULATION}
-        assert chosen.count((2, 1)) <= 2000 / PROBE_EVERY
-        times = {shape: policy.times.predict(batch, shape) for shape in set(chosen)}
-        share = explored * times[(8, 4)] / sum(times[c] for c in chosen)
+        assert chosen.count(NO_SPECULATION) > 1900
+        explored = (2, 1) if reach == EXPLORE_REACH else (8, 4)
+        assert policy._explore_shape() == explored
+        assert ((8, 4) in chosen) == (reach != EXPLORE_REACH), batch
+        share = _explored_share(policy, batch, chosen, explored)
         assert 0.5 / EXPLORE_SHARE < share < 1.5 / EXPLORE_SHARE, (batch, share)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_no_probes_from_no_speculation_where_no_tree_can_pay(gate, monkeypatch):
+    """Probing the smallest tree from "no speculation" tells the policy something only while that tree might
+    clear the margin. Served at the model's times (so the fit knows them well) with every tree at half the
+    baseline's rate or less, the policy stops probing: in the second 1000 steps the only trees are the
+    exploration's (about one per 100 steps). The control (every probe allowed) runs a tree once per PROBE_EVERY
+    steps."""
+    if not gate:
+        monkeypatch.setattr(adaptive_budget, "PROBE_CHANCE", 0.0)
+    policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
+    chosen = _served(policy, 64, 2000, lambda shape: policy.times.model(64, shape))[1000:]
+    trees = len(chosen) - chosen.count(NO_SPECULATION)
+    if gate:
+        assert policy._chance_to_pay(64) < PROBE_CHANCE and trees <= 0.5 * 1000 / PROBE_EVERY, trees
+    else:
+        assert trees >= 1000 / PROBE_EVERY - 1, trees
 
 
 def test_observed_step_times_override_the_model():

@@ -21,9 +21,13 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   among them, the D - 1 with the best draft scores (EAGLE-2's rerank; parents score at least as high as their
   children, so the kept set is a subtree), the accepted path's nodes that survive are what the smaller tree would
   have accepted (exact for greedy acceptance of that subtree). One step thus updates the statistics of all shapes
-  at or below the one it ran; now and then the largest shape runs to keep them fresh (about 1 / ``EXPLORE_SHARE``
-  of the time). The statistics are gathered from every ``STATS_EVERY``-th step (and every run of the largest
-  shape): a sample of the steps says as much about acceptance as all of them, at a quarter of the bookkeeping.
+  at or below the one it ran; now and then a larger shape runs to keep them fresh (about 1 / ``EXPLORE_SHARE``
+  of the time): the smallest shape that covers every tree whose rate is within ``EXPLORE_REACH`` of the best --
+  the largest shape at small batches, a small tree where every tree is far behind no speculation (on the CPU at
+  batch 64 the largest shape's runs, 1 % of the steps, had cost 1.3 ms per step, 3.5 %, to refresh statistics of
+  trees that could not pay there). The statistics are gathered from every ``STATS_EVERY``-th step (and every
+  exploring run): a sample of the steps says as much about acceptance as all of them, at a quarter of the
+  bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again every ``EXPLORE_SHARE`` speculative steps), so the
   comparison that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model
@@ -43,7 +47,11 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
 * Every ``PROBE_EVERY`` steps the policy runs the neighbour of its choice (D +- 1 or S +- 1; the smallest tree
   next to "no speculation") that it served longest ago, so that the shapes near the choice keep being served and
   their own terms stay current. Neighbours are at most a few percent apart, so the probes cost little; a probe
-  that comes out better makes the policy move there.
+  that comes out better makes the policy move there. From "no speculation" the probe runs only while, by the
+  fit's uncertainty, some tree has at least ``PROBE_CHANCE`` of clearing the margin. (Probing the tree most likely
+  to beat the choice, however far away, in place of the neighbours, lowered the simulator's median (24 seeds)
+  from 0.967 to 0.964-0.966, and from 0.964 to 0.954-0.961 with the startup model off by up to 3x: one noisy step
+  of a distant shape moved the policy more than a neighbour's did.)
 
 The choice never changes what is emitted: any shape's tree is verified losslessly, and the no-speculation step is
 ordinary decoding. On tensor-parallel servers rank 0 chooses and broadcasts (timings differ per rank).
@@ -61,17 +69,22 @@ import torch
 from ..tree import DraftTree
 
 NO_SPECULATION = (1, 0)
-# The largest shape runs now and then (fresh statistics for every shape below it), spending about 1 / EXPLORE_SHARE
-# of the time: after EXPLORE_SHARE x (its predicted step time / the chosen shape's) steps of the chosen shape.
+# A larger shape (the largest, where it may pay) runs now and then (fresh statistics for every shape below it),
+# spending about 1 / EXPLORE_SHARE of the time: after EXPLORE_SHARE x (its predicted step time / the chosen
+# shape's) steps of the chosen shape.
 EXPLORE_SHARE = 50
 # Speculate only where a shape is predicted this much faster than no speculation: near a tie the end-to-end
 # throughput (prefill, catch-up after a switch, noise in the step times) favours plain decoding, and the default
 # must never lose to it.
 SPECULATION_MARGIN = 1.1
+# Exploration covers the shapes whose rate is within this factor of the best: acceptance this much above the
+# statistics' is what it takes for a shape to matter.
+EXPLORE_REACH = 1.5
 WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have something to say
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
+PROBE_CHANCE = 0.1  # from no speculation, probe only where a tree has at least this chance of paying
 PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
 # The step-time correction tracked per batch size (``TimeFit``), in log(served / modelled) step time. As (standard
 # deviation at first, drift per served step): the level (how far off the model is overall), the shared terms (what
@@ -235,6 +248,21 @@ class TimeFit:
         d, s = shape
         return 1.0, machine, float(s > 0), (d - 1) / 8, s / 4
 
+    def _features(self, shape: tuple[int, int]) -> np.ndarray:
+        """``shape``'s row for the next step's prediction: the shared terms and its own (if it has one yet)."""
+        x = np.zeros(len(self.beta))
+        x[:self.SHARED] = self._terms(shape, machine=FIT_MACHINE[0])
+        if shape in self.shapes:
+            x[self.SHARED + self.shapes[shape]] = 1.0
+        return x
+
+    def difference_sd(self, shape: tuple[int, int], other: tuple[int, int]) -> float:
+        """How uncertain the fit is about ``log_ratio(shape) - log_ratio(other)``: the standard deviation of that
+        difference under the filter's covariance, with each unserved shape's own term at its prior spread."""
+        dx = self._features(shape) - self._features(other)
+        unserved = len({s for s in (shape, other) if s not in self.shapes}) if shape != other else 0
+        return math.sqrt(max(float(dx @ self.cov @ dx), 0.0) + unserved * FIT_SHAPE_SD[0] ** 2)
+
     def log_ratio(self, shape: tuple[int, int]) -> float:
         """The expected log(served / modelled) of ``shape``'s next step here."""
         b = self.coef
@@ -310,6 +338,8 @@ class AdaptivePolicy:
         self.since_baseline = 0
         self.since_probe = 0
         self.since_stats = 0
+        self.exploring = False  # whether the last choice was the exploration shape
+        self._rates: dict[tuple[int, int], tuple[float, float]] = {}  # per shape of the last decision: (rate, s)
         self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
 
     def choose(self, batch: int) -> tuple[int, int]:
@@ -319,18 +349,21 @@ class AdaptivePolicy:
         if self.steps <= WARMUP_STEPS:
             return self.largest
         best, best_s = self._decide(batch)
-        largest_s = self.times.predict(batch, self.largest)
+        explore = self._explore_shape()
+        explore_s = self.times.predict(batch, explore)
         self.since_explore += 1
         self.since_baseline += 1
         self.since_probe += 1
-        if best != self.largest and largest_s and best_s and self.since_explore >= EXPLORE_SHARE * largest_s / best_s:
-            best = self.largest
+        self.exploring = False
+        if best != explore and explore_s and best_s and self.since_explore >= EXPLORE_SHARE * explore_s / best_s:
+            best, self.exploring = explore, True
         elif best != NO_SPECULATION and self._baseline_due(batch):
             best = NO_SPECULATION
         elif self.since_probe >= PROBE_EVERY:
-            best = self._stalest_neighbour(batch, best) or best
+            if best != NO_SPECULATION or self._chance_to_pay(batch) >= PROBE_CHANCE:
+                best = self._stalest_neighbour(batch, best) or best
             self.since_probe = 0
-        if best == self.largest:
+        if best == explore:
             self.since_explore = 0
         if best == NO_SPECULATION:
             self.since_baseline = 0
@@ -339,14 +372,40 @@ class AdaptivePolicy:
     def learn(self, tree: DraftTree, accepted_nodes: torch.Tensor, accept_lens: torch.Tensor,
               ran: tuple[int, int]) -> None:
         """This speculative step's acceptance, for the statistics of every shape at or below ``ran``: from every
-        ``STATS_EVERY``-th step and every run of the largest shape (the only source for the shapes above the
-        chosen one), decayed by the steps since the last update."""
+        ``STATS_EVERY``-th step and every exploring run (the only source for the shapes above the chosen one),
+        decayed by the steps since the last update."""
         self.since_stats += 1
-        if ran != self.largest and self.since_stats < STATS_EVERY:
+        if not self.exploring and ran != self.largest and self.since_stats < STATS_EVERY:
             return
         accepts = counterfactual_accepts(tree, accepted_nodes, accept_lens, self.largest[1])
         self.stats.update(accepts, ran, decay=STATS_DECAY ** self.since_stats)
         self.since_stats = 0
+
+    def _chance_to_pay(self, batch: int) -> float:
+        """By the fit's uncertainty, the chance that the likeliest tree beats no speculation by the margin: where it
+        is under ``PROBE_CHANCE`` (at batch 64 on the CPU, trees 30 % behind, or a tree a few percent behind whose
+        time the fit knows well), a probe would cost a slower step and tell nothing new."""
+        fit, rates = self.times.fits.get(batch), self._rates
+        if fit is None or NO_SPECULATION not in rates:
+            return 1.0
+        bar = rates[NO_SPECULATION][0] * SPECULATION_MARGIN
+        z = max((math.log(rate / bar) / max(fit.difference_sd(shape, NO_SPECULATION), 1e-6)
+                 for shape, (rate, _) in rates.items() if shape != NO_SPECULATION), default=-math.inf)
+        return 0.5 * math.erfc(-z / math.sqrt(2))
+
+    def _explore_shape(self) -> tuple[int, int]:
+        """The smallest shape whose runs refresh the acceptance statistics of every contender: the trees whose
+        rate at the last decision is within ``EXPLORE_REACH`` of the best rate (baseline included). At small
+        batches that is the largest shape; where every tree is far behind no speculation (batch 64 on the CPU,
+        where a step of the largest shape costs about four plain steps) it is the best tree."""
+        rates = self._rates
+        trees = {s: r for s, (r, _) in rates.items() if s != NO_SPECULATION}
+        if not trees:
+            return self.largest
+        top = max(r for r, _ in rates.values())
+        contenders = [s for s, r in trees.items() if r * EXPLORE_REACH >= top] or [max(trees, key=trees.get)]
+        shape = (max(d for d, _ in contenders), max(s for _, s in contenders))
+        return shape if shape in self.menu else self.largest
 
     def _stalest_neighbour(self, batch: int, shape: tuple[int, int]) -> tuple[int, int] | None:
         """Of the shapes next to ``shape`` in the menu (D +- 1 or S +- 1; next to "no speculation": the smallest
@@ -363,7 +422,7 @@ class AdaptivePolicy:
     def _decide(self, batch: int) -> tuple[tuple[int, int], float | None]:
         """The policy's own choice (before exploration and baseline probes) and its predicted step time: the best
         tree against the baseline, with the hysteresis of the module doc."""
-        rates: dict[tuple[int, int], tuple[float, float]] = {}
+        self._rates = rates = {}
         expected = self.stats.table()
         for shape in self.menu:
             accepted, seconds = expected[shape[1]][shape[0]], self.times.predict(batch, shape)
