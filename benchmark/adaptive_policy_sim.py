@@ -70,7 +70,7 @@ def _startup_model(scenario: str, rng: random.Random, error: float) -> ab.StepTi
 
     for s in range(1, 5):
         times.draft[s] = ab.Curve({batch: (true_ms(scenario, (1, s)) - none) / 1e3 * off()})
-    times.verify = ab.Curve({batch * d: (true_ms(scenario, (d, 0))) / 1e3 * off() for d in range(1, 9)})
+    times.verify = {d: ab.Curve({batch: (true_ms(scenario, (d, 0))) / 1e3 * off()}) for d in range(1, 9)}
     return times
 
 

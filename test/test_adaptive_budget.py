@@ -101,14 +101,43 @@ def test_curve_interpolates_and_extrapolates_proportionally():
 
 
 def test_step_times_round_trip_through_json():
-    t = StepTimes({1: Curve({1: 0.01, 8: 0.02})}, Curve({1: 0.005, 64: 0.05}), Curve({1: 0.001}))
+    t = StepTimes({1: Curve({1: 0.01, 8: 0.02})}, {1: Curve({1: 0.005, 64: 0.05}), 4: Curve({1: 0.01})},
+                  Curve({1: 0.001}))
     back = StepTimes.from_json(__import__("json").loads(__import__("json").dumps(t.to_json())))
     assert back.predict(4, (8, 1)) == pytest.approx(t.predict(4, (8, 1)))
 
 
+def test_verification_is_modelled_per_width_over_the_batch_size():
+    """The same verified tokens cost differently over more requests: (64, 2) is read from the D = 2 curve, not from
+    a curve over B x D shared with (16, 8). Between measured widths the model is linear in D, beyond the last
+    proportional."""
+    t = StepTimes({}, {1: Curve({16: 0.020, 64: 0.022}), 2: Curve({16: 0.021, 64: 0.035}),
+                       4: Curve({16: 0.025, 64: 0.050}), 8: Curve({16: 0.030, 64: 0.110})}, Curve())
+    assert t.verify_time(64, 2) == pytest.approx(0.035) and t.verify_time(16, 8) == pytest.approx(0.030)
+    assert t.verify_time(16, 6) == pytest.approx(0.0275) and t.verify_time(32, 6) == pytest.approx(
+        (0.025 + (0.050 - 0.025) * 16 / 48 + 0.030 + (0.110 - 0.030) * 16 / 48) / 2)
+    assert t.verify_time(16, 10) == pytest.approx(0.030 * 10 / 8) and StepTimes().verify_time(4, 2) is None
+    assert t.model(16, (6, 0)) == pytest.approx(0.0275)
+
+
+def test_a_cache_file_of_the_old_layout_is_measured_again(tmp_path):
+    """A step-time file written by an older version (verification as one curve over B x D) is not read as a
+    model: ``read_cache`` answers None and the worker measures again."""
+    import json
+    from sglang_tree_v4.speculative.step_timer import read_cache, write_cache
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"times": {"draft": {"1": {"1": 0.01}}, "verify": {"1": 0.01, "64": 0.03},
+                                         "rest": {}}, "measured_s": 2.0}))
+    assert read_cache(str(old)) is None
+    new = tmp_path / "new.json"
+    write_cache(str(new), StepTimes({1: Curve({1: 0.01})}, {1: Curve({1: 0.01})}, Curve()), 2.0)
+    assert read_cache(str(new)).verify_time(1, 1) == pytest.approx(0.01)
+
+
 def _policy(draft_s: float, verify_per_token: float, accepted: float) -> AdaptivePolicy:
     times = StepTimes({s: Curve({1: draft_s * s, 64: draft_s * s * 4}) for s in range(1, 5)},
-                      Curve({n: 0.01 + verify_per_token * n for n in (1, 8, 64, 512)}), Curve())
+                      {d: Curve({b: 0.01 + verify_per_token * b * d for b in (1, 8, 64)}) for d in range(1, 9)},
+                      Curve())
     policy = AdaptivePolicy(8, 3, 4, times)
     for (d, s) in policy.menu:  # deeper and wider shapes emit more, up to ``accepted`` tokens per step
         policy.stats.sum[s, d], policy.stats.weight[s, d] = (1 + (min(d, accepted) - 1) * s / 4) * 10, 10

@@ -12,6 +12,7 @@ than 300 tokens so that HCA boundaries fall inside draft trees.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import requests
 from sglang_tree_v4 import launcher as srv, prompts
 from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
+from sglang_tree_v4.speculative.step_timer import verify_widths
 from support import serving_checks as checks
 
 pytestmark = pytest.mark.server
@@ -142,6 +144,8 @@ def test_step_times_measured_once_then_read_from_the_cache(servers):
     assert measured, servers["adaptive"].log_tail()
     print("step-time measurement at startup:", measured[0][0], "s")
     assert Path(measured[0][1]).is_file()
+    verify = json.loads(Path(measured[0][1]).read_text())["times"]["verify"]  # per D, over the batch size
+    assert sorted(int(d) for d in verify) == verify_widths(8) and all(len(c) >= 2 for c in verify.values()), verify
     read = re.findall(r"TREE_V4 adaptive budget: step times read in [0-9.]+ s \((.*)\)",
                       servers["cycling"].log.read_text())
     assert read == [measured[0][1]]

@@ -272,11 +272,18 @@ class TimeFit:
 
 @dataclass
 class StepTimes:
-    """The step-time model: draft (per depth S, over the batch size), verify (over the verified tokens), rest of
-    the round incl. the scheduler (over the batch size)."""
+    """The step-time model: draft (per depth S, over the batch size), verify (per verified tokens per request D,
+    over the batch size; between two measured D linear in D), rest of the round incl. the scheduler (over the batch
+    size).
+
+    Verification is a function of B and D, not of B x D: the same number of verified tokens costs differently
+    spread over more or fewer requests. In one startup measurement on the CPU (embedded model), 64 x 1 and 16 x 4
+    verified tokens took 18.8 and 21.4 ms; a single curve over B x D, as the model had, gave 32 requests x 8
+    nodes the time of 64 x 4, 43.7 ms, where the per-D curves give 50.9 (timed directly: 46-58 ms), so deep
+    trees at batch 32 looked cheaper than they are."""
 
     draft: dict[int, Curve] = field(default_factory=dict)
-    verify: Curve = field(default_factory=Curve)
+    verify: dict[int, Curve] = field(default_factory=dict)
     rest: Curve = field(default_factory=Curve)
     # Whole steps as this server ran them, per (batch size, shape): each shape's own average (the record of what
     # was served, and the time where there is no model); and per batch size the fit that corrects the model.
@@ -308,23 +315,38 @@ class StepTimes:
             fit = self.fits[min(self.fits, key=lambda b: abs(math.log(b / batch)))]
         return model if fit is None else model * math.exp(fit.log_ratio(shape))
 
+    def verify_time(self, batch: int, d: int) -> float | None:
+        if d in self.verify:
+            return self.verify[d](batch)
+        below = max((w for w in self.verify if w < d), default=None)
+        above = min((w for w in self.verify if w > d), default=None)
+        if below is None or above is None:
+            nearest = below if above is None else above
+            return None if nearest is None else self.verify[nearest](batch) * d / nearest
+        lo, hi = self.verify[below](batch), self.verify[above](batch)
+        return lo + (hi - lo) * (d - below) / (above - below)
+
     def model(self, batch: int, shape: tuple[int, int]) -> float | None:
         d, s = shape
-        verify = self.verify(batch * d)
+        verify = self.verify_time(batch, d)
         draft = 0.0 if s == 0 else (self.draft[s](batch) if s in self.draft else None)
         if verify is None or draft is None:
             return None
         return draft + verify + (self.rest(batch) or 0.0)
 
     def to_json(self) -> dict:
-        return {"draft": {str(s): c.points for s, c in self.draft.items()}, "verify": self.verify.points,
-                "rest": self.rest.points}
+        return {"draft": {str(s): c.points for s, c in self.draft.items()},
+                "verify": {str(d): c.points for d, c in self.verify.items()}, "rest": self.rest.points}
 
     @classmethod
     def from_json(cls, data: dict) -> "StepTimes":
+        """Raises ``ValueError`` on a file of another layout (the cache is then measured again)."""
         def curve(points):
+            if not isinstance(points, dict) or not all(isinstance(v, (int, float)) for v in points.values()):
+                raise ValueError("not a step-time curve")
             return Curve({int(k): float(v) for k, v in points.items()})
-        return cls({int(s): curve(p) for s, p in data["draft"].items()}, curve(data["verify"]), curve(data["rest"]))
+        return cls({int(s): curve(p) for s, p in data["draft"].items()},
+                   {int(d): curve(p) for d, p in data["verify"].items()}, curve(data["rest"]))
 
 
 class AdaptivePolicy:

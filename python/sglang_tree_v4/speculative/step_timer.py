@@ -2,7 +2,8 @@
 
 At startup the worker times the real pieces of a decode round on private scratch state (its own small slot
 stores, never SGLang's pool): the MTP draft (catch-up + ``build_draft_tree`` over S steps, for each S) and the
-target's tree-verify forward (for several numbers of verified tokens), at batch sizes 1 .. max running requests.
+target's tree-verify forward (for each number of verified tokens per request in ``verify_widths``), at batch sizes
+1 .. max running requests.
 The state is zeros, which costs the same as real state. Every point is timed once per pass, in ``PASSES``
 passes over the whole grid, and keeps its fastest: a stretch of contention (on the CPU, other servers starting
 next to this one) lasts seconds, so repeats taken back to back share it, while passes seconds apart mostly do
@@ -32,6 +33,7 @@ from .mtp_drafter import MTPTreeDrafter, catch_up
 BATCHES = (1, 4, 16, 64)
 CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
 PASSES = 3
+CACHE_LAYOUT = 2  # part of the cache key: 2 = verification per verified tokens per request, over the batch size
 
 
 def cache_path(model_path: str, device: torch.device, tp: int, dtype: torch.dtype, limits: tuple) -> str:
@@ -44,7 +46,7 @@ def cache_path(model_path: str, device: torch.device, tp: int, dtype: torch.dtyp
             f"cpu{os.cpu_count()}x{torch.get_num_threads()}")
     step = "fixed" if fixed_shapes(device) else "eager"
     key = json.dumps([os.path.realpath(model_path), config, name, tp, str(dtype), list(limits), step,
-                      torch.__version__])
+                      torch.__version__, CACHE_LAYOUT])
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "sglang-tree-v4", "step_times", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
@@ -66,13 +68,19 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
     mtp_store = new_mtp_store(cfg, slots, dtype, device, max(batches) * draft_scratch_rows(topk, max_steps))
     streams = new_streams_store(cfg, slots, dtype, device)
     times = StepTimes()
-    verify_sizes = sorted({1, 2, 4, max_tokens})
+    verify_sizes = verify_widths(max_tokens)
     # One untimed pass first: lazy initialisation (allocator, kernels, caches) must not count as a step.
     _time_batch(model, store, mtp_store, streams, batches[:1], width, max_tokens, topk, 1, [1], device, StepTimes(),
                 passes=1)
     _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, topk, max_steps, verify_sizes, device,
                 times)
     return times
+
+
+def verify_widths(max_tokens: int) -> list[int]:
+    """The verified tokens per request timed at startup: every D up to 8, then every fourth, and the largest (the
+    model interpolates in D between them)."""
+    return sorted({*range(1, min(8, max_tokens) + 1), *range(8, max_tokens + 1, 4), max_tokens})
 
 
 def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, topk, max_steps, verify_sizes, device,
@@ -107,7 +115,7 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
         for s in range(1, max_steps + 1):
             times.draft.setdefault(s, Curve()).add(bs, fastest[("draft", s, bs)])
         for d in verify_sizes:
-            times.verify.add(bs * d, fastest[("verify", bs, d)])
+            times.verify.setdefault(d, Curve()).add(bs, fastest[("verify", bs, d)])
 
 
 def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, d: int):
