@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -58,8 +59,10 @@ def breakdown(lines: list[str], batch: int, times: StepTimes) -> list[dict]:
             rounds[m.group(2)].append([float(x) for x in m.groups()[2:]])
     rows = []
     for key in sorted(rounds, key=lambda k: (k != "none", shape_of(k))):
-        parts = {name: statistics.median(r[i] for r in rounds[key] if r[i] == r[i]) if any(
-            r[i] == r[i] for r in rounds[key]) else None for i, name in enumerate(PARTS)}
+        parts = {}
+        for i, name in enumerate(PARTS):
+            values = [r[i] for r in rounds[key] if not math.isnan(r[i])]  # nan: no previous round to measure from
+            parts[name] = statistics.median(values) if values else None
         d, s = shape_of(key)
         model = times.model(batch, (d, s))
         rows.append({"shape": key, "rounds": len(rounds[key]), **{f"{k}_ms": v for k, v in parts.items()},

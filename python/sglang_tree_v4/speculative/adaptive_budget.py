@@ -228,9 +228,7 @@ class TimeFit:
         self.cov[1, :] *= phi
         self.cov[:, 1] *= phi
         self.cov[np.diag_indices_from(self.cov)] += self.drift
-        x = np.zeros(len(self.beta))
-        x[:self.SHARED] = self._terms(shape, machine=1.0)
-        x[self.SHARED + self.shapes[shape]] = 1.0
+        x = self._features(shape, machine=1.0)
         px = self.cov @ x
         spread = float(x @ px) + FIT_NOISE_SD ** 2
         # One outlier (a step stalled by something else on the machine) moves the terms by at most 3 sd of what
@@ -248,10 +246,11 @@ class TimeFit:
         d, s = shape
         return 1.0, machine, float(s > 0), (d - 1) / 8, s / 4
 
-    def _features(self, shape: tuple[int, int]) -> np.ndarray:
-        """``shape``'s row for the next step's prediction: the shared terms and its own (if it has one yet)."""
+    def _features(self, shape: tuple[int, int], machine: float = FIT_MACHINE[0]) -> np.ndarray:
+        """``shape``'s row: the shared terms (``machine`` as in ``_terms``; by default for the next step's
+        prediction) and its own (if it has one yet)."""
         x = np.zeros(len(self.beta))
-        x[:self.SHARED] = self._terms(shape, machine=FIT_MACHINE[0])
+        x[:self.SHARED] = self._terms(shape, machine)
         if shape in self.shapes:
             x[self.SHARED + self.shapes[shape]] = 1.0
         return x
@@ -316,15 +315,9 @@ class StepTimes:
         return model if fit is None else model * math.exp(fit.log_ratio(shape))
 
     def verify_time(self, batch: int, d: int) -> float | None:
-        if d in self.verify:
+        if d in self.verify:  # the usual case: every D up to 8 is timed
             return self.verify[d](batch)
-        below = max((w for w in self.verify if w < d), default=None)
-        above = min((w for w in self.verify if w > d), default=None)
-        if below is None or above is None:
-            nearest = below if above is None else above
-            return None if nearest is None else self.verify[nearest](batch) * d / nearest
-        lo, hi = self.verify[below](batch), self.verify[above](batch)
-        return lo + (hi - lo) * (d - below) / (above - below)
+        return Curve({w: curve(batch) for w, curve in self.verify.items()})(d)  # in D, as a Curve interpolates
 
     def model(self, batch: int, shape: tuple[int, int]) -> float | None:
         d, s = shape
@@ -372,7 +365,7 @@ class AdaptivePolicy:
             return self.largest
         best, best_s = self._decide(batch)
         explore = self._explore_shape()
-        explore_s = self.times.predict(batch, explore)
+        explore_s = self._rates[explore][1] if explore in self._rates else self.times.predict(batch, explore)
         self.since_explore += 1
         self.since_baseline += 1
         self.since_probe += 1
