@@ -301,7 +301,10 @@ class StepTimes:
         self.observed_at[key] = self.clock
         model = self.model(batch, shape)
         if model and seconds > 0:
-            self.fits.setdefault(batch, TimeFit()).add(shape, math.log(seconds / model))
+            fit = self.fits.get(batch)
+            if fit is None:  # (not ``setdefault``: it would build a TimeFit on every step to throw it away)
+                fit = self.fits[batch] = TimeFit()
+            fit.add(shape, math.log(seconds / model))
 
     def predict(self, batch: int, shape: tuple[int, int]) -> float | None:
         """The model corrected by the fit at this batch size (at a batch size not yet served: the nearest one

@@ -317,7 +317,7 @@ class TreeV4Worker(BaseSpecWorker):
         D, S = self._shape(bs)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
             pending = self._pending_tokens(batch, batch.seq_lens.tolist())
-            roots = torch.tensor([_Output(req.output_ids, p)[-1] for req, p in zip(batch.reqs, pending)],
+            roots = torch.tensor([p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending)],
                                  device=self.device)
             tree = DraftTree.roots_only(roots)
         else:

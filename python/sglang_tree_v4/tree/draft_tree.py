@@ -141,6 +141,8 @@ class DraftTree:
         Padding rows see only themselves (so no attention row is empty); padding columns are seen by nobody else.
         """
         batch, width = self.tokens.shape
+        if width == 1:  # one-node trees (a step without speculation, every step at large batches): the root alone
+            return torch.ones(batch, 1, 1, dtype=torch.bool, device=self.device)
         path = self.path_nodes(max_depth=width - 1)  # the largest depth possible: no host sync
         cols = torch.where(path >= 0, path, width)
         mask = torch.zeros(batch, width, width + 1, dtype=torch.bool, device=self.device)
