@@ -247,6 +247,31 @@ def test_baseline_is_remeasured_about_once_per_explore_share_steps_while_specula
     assert 10 <= chosen.count(NO_SPECULATION) <= 30, chosen.count(NO_SPECULATION)
 
 
+@pytest.mark.parametrize("tail", [False, True])
+def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_batch_sizes(tail, monkeypatch):
+    """A serving run's tail (the batch shrinking request by request) decides "no speculation" at batch sizes seen
+    for a step or two and never observed. Those steps must not count as the baseline's measurement at batch 32:
+    with a tail step after every 10 steps at batch 32, the baseline there is observed as often as without a tail
+    (the control). (Before, one counter for all batch sizes was reset by the tail's steps and the baseline at
+    batch 32 was observed once in a run.)"""
+    decide = AdaptivePolicy._decide
+
+    def tail_decides_none(self, batch):
+        return decide(self, batch) if batch == 32 else (NO_SPECULATION, 0.02)
+
+    monkeypatch.setattr(AdaptivePolicy, "_decide", tail_decides_none)
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    observed_none, tail_steps = 0, []
+    for i in range(20 * EXPLORE_SHARE):
+        shape = policy.choose(32)
+        policy.times.observe(32, shape, 0.015 + 0.001 * shape[0])  # speculation pays at batch 32
+        observed_none += shape == NO_SPECULATION
+        if tail and i % 10 == 9:
+            tail_steps.append(policy.choose(25 + i % 7))  # a tail step: decided, never observed
+    assert not tail or tail_steps.count(NO_SPECULATION) >= 0.8 * len(tail_steps)  # (the others: probes)
+    assert 10 <= observed_none <= 30, observed_none
+
+
 def test_shape_menu_covers_no_speculation_and_every_reachable_tree():
     menu = shape_menu(8, 3, 4)
     assert menu[0] == NO_SPECULATION and (8, 4) in menu and (2, 1) in menu

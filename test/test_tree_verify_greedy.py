@@ -78,7 +78,7 @@ def test_greedy_never_accepts_padding():
 
 def test_one_node_trees_take_the_short_path_to_the_same_result():
     """A step without speculation verifies root-only trees: ``DraftTree.roots_only`` and the greedy fast path give
-    what ``from_parents`` and the general rule give (the root accepted, its argmax emitted)."""
+    what ``from_parents`` and the general rule give (the root accepted, its argmax emitted; the root sees itself)."""
     from sglang_tree_v4.tree.verify_result import VerifyResult
 
     gen = torch.Generator().manual_seed(3)
@@ -95,3 +95,7 @@ def test_one_node_trees_take_the_short_path_to_the_same_result():
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert torch.equal(got.tokens[:, 0], logits[:, 0].argmax(-1))
+    # The attention mask's short path: what the path walk gives (a node sees the nodes on its root path).
+    path = slow.path_nodes(max_depth=0)
+    walked = torch.zeros(5, 1, 2, dtype=torch.bool).scatter_(2, torch.where(path >= 0, path, 1), True)[..., :1]
+    assert fast.ancestor_mask().dtype == torch.bool and torch.equal(fast.ancestor_mask(), walked)

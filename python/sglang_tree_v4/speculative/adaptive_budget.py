@@ -29,10 +29,11 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   exploring run): a sample of the steps says as much about acceptance as all of them, at a quarter of the
   bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
-  step without speculation runs there too if none has been (and again every ``EXPLORE_SHARE`` speculative steps), so the
-  comparison that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model
-  alone, calibrated by the speculative shapes' observed times, overestimated a step without speculation at batch
-  16-64 and the server speculated where not speculating was up to 30 % faster.)
+  step without speculation runs there too if none has been (and again once that observation is ``EXPLORE_SHARE``
+  steps old: the age of the baseline's observation at this batch size, see ``_baseline_due``), so the comparison
+  that decides "speculate or not" is between two observed step times. (Measured on the CPU: the model alone,
+  calibrated by the speculative shapes' observed times, overestimated a step without speculation at batch 16-64
+  and the server speculated where not speculating was up to 30 % faster.)
 * ``T_*`` are step times measured on this device at startup (``step_timer``, cached per model, device and TP;
   interpolated in the batch size and, for verification, in the number of verified tokens), plus the rest of the
   round (scheduler, acceptance) measured online. Served steps correct this model through ``TimeFit``, per batch
@@ -353,7 +354,6 @@ class AdaptivePolicy:
         self.times = times
         self.steps = 0
         self.since_explore = 0
-        self.since_baseline = 0
         self.since_probe = 0
         self.since_stats = 0
         self.exploring = False  # whether the last choice was the exploration shape
@@ -370,7 +370,6 @@ class AdaptivePolicy:
         explore = self._explore_shape()
         explore_s = self._rates[explore][1] if explore in self._rates else self.times.predict(batch, explore)
         self.since_explore += 1
-        self.since_baseline += 1
         self.since_probe += 1
         self.exploring = False
         if best != explore and explore_s and best_s and self.since_explore >= EXPLORE_SHARE * explore_s / best_s:
@@ -383,8 +382,6 @@ class AdaptivePolicy:
             self.since_probe = 0
         if best == explore:
             self.since_explore = 0
-        if best == NO_SPECULATION:
-            self.since_baseline = 0
         return best
 
     def learn(self, tree: DraftTree, accepted_nodes: torch.Tensor, accept_lens: torch.Tensor,
@@ -466,9 +463,17 @@ class AdaptivePolicy:
 
     def _baseline_due(self, batch: int) -> bool:
         """Whether this step should run without speculation to measure the baseline at this batch size: a
-        speculative shape has an observed time here and the baseline has none, or it is ``EXPLORE_SHARE`` steps
-        old."""
-        observed = self.times.observed
-        if (batch, *NO_SPECULATION) in observed and self.since_baseline < EXPLORE_SHARE:
+        speculative shape has an observed time here and the baseline's observation here is missing or
+        ``EXPLORE_SHARE`` steps old.
+
+        The age is that of the baseline's last *observation at this batch size*, not of the last step without
+        speculation anywhere: a serving run's tail (the batch shrinking request by request) decides "no
+        speculation" at batch sizes seen for a step or two, which are never observed (the batch size changes
+        between rounds); a shared counter reset by those steps kept the baseline at batch 32 from being measured
+        again for a whole CPU run (one observation, from its first minute, against 400 of the tree's). A step
+        chosen for the baseline but not observed (the round after a prefill) leaves it due."""
+        times = self.times
+        last = times.observed_at.get((batch, *NO_SPECULATION))
+        if last is not None and self.steps - last < EXPLORE_SHARE:
             return False  # the usual case, without scanning the observations
-        return any(key[0] == batch and key[1:] != NO_SPECULATION for key in observed)
+        return any(key[0] == batch and key[1:] != NO_SPECULATION for key in times.observed)
