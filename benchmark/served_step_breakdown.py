@@ -38,7 +38,7 @@ from sglang_tree_v4 import launcher  # noqa: E402
 from sglang_tree_v4.speculative.adaptive_budget import StepTimes  # noqa: E402
 from support import serving_checks  # noqa: E402
 
-ROUND = re.compile(r"TREE_V4 step: batch (\d+), shape (\S+), accepted \d+, draft ([\d.]+) ms, verify ([\d.]+) ms, "
+ROUND = re.compile(r"TREE_V4 step: batch (\d+), shape (\S+), accepted (\d+), draft ([\d.]+) ms, verify ([\d.]+) ms, "
                    r"accept\+commit ([\d.]+) ms, scheduler since the last round ([\d.]+|nan) ms")
 PARTS = ("draft", "verify", "accept_commit", "scheduler")
 
@@ -56,7 +56,7 @@ def breakdown(lines: list[str], batch: int, times: StepTimes) -> list[dict]:
     for line in lines:
         m = ROUND.search(line)
         if m and int(m.group(1)) == batch:
-            rounds[m.group(2)].append([float(x) for x in m.groups()[2:]])
+            rounds[m.group(2)].append([float(x) for x in m.groups()[3:]])
     rows = []
     for key in sorted(rounds, key=lambda k: (k != "none", shape_of(k))):
         parts = {}
