@@ -272,6 +272,26 @@ def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_ba
     assert 10 <= observed_none <= 30, observed_none
 
 
+@pytest.mark.parametrize("retry", [1, None])
+def test_an_unobserved_baseline_try_waits_before_the_next(retry, monkeypatch):
+    """Where the baseline's steps are not observed (each comes right after a prefill or a change of batch size),
+    trying again at once runs most steps without speculation although speculation pays: with the retry spacing a
+    try is made every ``BASELINE_RETRY`` steps; the control (retry at once) spends most steps on tries."""
+    from sglang_tree_v4.speculative import adaptive_budget
+
+    if retry is not None:
+        monkeypatch.setattr(adaptive_budget, "BASELINE_RETRY", retry)
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    chosen = []
+    for _ in range(400):
+        shape = policy.choose(4)
+        if shape != NO_SPECULATION:  # the baseline's tries are never observed
+            policy.times.observe(4, shape, 0.015 + 0.001 * shape[0])
+        chosen.append(shape)
+    share = chosen.count(NO_SPECULATION) / len(chosen)
+    assert share <= 1.2 / adaptive_budget.BASELINE_RETRY if retry is None else share > 0.5, share
+
+
 def test_shape_menu_covers_no_speculation_and_every_reachable_tree():
     menu = shape_menu(8, 3, 4)
     assert menu[0] == NO_SPECULATION and (8, 4) in menu and (2, 1) in menu

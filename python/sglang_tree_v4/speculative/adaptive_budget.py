@@ -86,6 +86,7 @@ STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of 
 STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
 PROBE_CHANCE = 0.1  # from no speculation, probe only where a tree has at least this chance of paying
+BASELINE_RETRY = 8  # steps between two tries at the baseline's first observation at a batch size
 PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
 # The step-time correction tracked per batch size (``TimeFit``), in log(served / modelled) step time. As (standard
 # deviation at first, drift per served step): the level (how far off the model is overall), the shared terms (what
@@ -359,6 +360,7 @@ class AdaptivePolicy:
         self.exploring = False  # whether the last choice was the exploration shape
         self._rates: dict[tuple[int, int], tuple[float, float]] = {}  # per shape of the last decision: (rate, s)
         self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
+        self.baseline_tried: dict[int, int] = {}  # per batch size: the step of the last choice of no speculation
 
     def choose(self, batch: int) -> tuple[int, int]:
         """The shape for this step (on the deciding rank)."""
@@ -382,6 +384,8 @@ class AdaptivePolicy:
             self.since_probe = 0
         if best == explore:
             self.since_explore = 0
+        if best == NO_SPECULATION:
+            self.baseline_tried[batch] = self.steps
         return best
 
     def learn(self, tree: DraftTree, accepted_nodes: torch.Tensor, accept_lens: torch.Tensor,
@@ -463,17 +467,24 @@ class AdaptivePolicy:
 
     def _baseline_due(self, batch: int) -> bool:
         """Whether this step should run without speculation to measure the baseline at this batch size: a
-        speculative shape has an observed time here and the baseline's observation here is missing or
-        ``EXPLORE_SHARE`` steps old.
+        speculative shape has an observed time here and the baseline's observation here is missing (then every
+        ``BASELINE_RETRY`` steps) or ``EXPLORE_SHARE`` steps old (then again ``EXPLORE_SHARE`` steps after a try
+        that was not observed).
 
         The age is that of the baseline's last *observation at this batch size*, not of the last step without
         speculation anywhere: a serving run's tail (the batch shrinking request by request) decides "no
         speculation" at batch sizes seen for a step or two, which are never observed (the batch size changes
         between rounds); a shared counter reset by those steps kept the baseline at batch 32 from being measured
         again for a whole CPU run (one observation, from its first minute, against 400 of the tree's). A step
-        chosen for the baseline but not observed (the round after a prefill) leaves it due."""
+        chosen for the baseline but not observed (the round after a prefill, the first round at a new batch size)
+        counts as a try: at batch 1-4, where requests come and go every few steps, retrying at once ran 15 % of the
+        CPU's batch-4 steps without speculation, where speculation paid 13 %."""
         times = self.times
-        last = times.observed_at.get((batch, *NO_SPECULATION))
-        if last is not None and self.steps - last < EXPLORE_SHARE:
+        observed = times.observed_at.get((batch, *NO_SPECULATION))
+        tried = self.baseline_tried.get(batch, -10 ** 9)
+        if observed is None:
+            if self.steps - tried < BASELINE_RETRY:
+                return False
+        elif self.steps - max(observed, tried) < EXPLORE_SHARE:
             return False  # the usual case, without scanning the observations
         return any(key[0] == batch and key[1:] != NO_SPECULATION for key in times.observed)
