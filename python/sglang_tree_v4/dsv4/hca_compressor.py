@@ -22,6 +22,8 @@ elementwise arithmetic, so the final values are those of the one-by-one folds.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from sgl_kernel_ext.reference import apply_interleaved_rope
 
@@ -57,11 +59,14 @@ class HcaCompressor(CompressorWeights):
         start = p % r == 0
         pred, hit, query = fb.memo("hca_predecessors", lambda: _predecessors(fb))
         stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
+        n = p.shape[0]
+        v, s, start, hit, query, stored = _pad_rows((v, s, start, hit, query, stored), _vector_rows(n, d))
         stored_o, stored_lse = stored[:, :d], stored[:, d:]
         o, lse = v, s
         for _ in range(fb.memo(("hca_iterations", r), lambda: iterations(fb, r))):
             o, lse = fold(torch.where(hit[:, None], o[query], stored_o),
                           torch.where(hit[:, None], lse[query], stored_lse), v, s, start)
+        o, lse = o[:n], lse[:n]
         slots = fb.out_slots
         if store.in_ring(layer, state):
             slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
@@ -73,13 +78,40 @@ class HcaCompressor(CompressorWeights):
             if closers.numel() == 0:
                 return
             o, p = o[closers], p[closers]
+        m = o.shape[0]  # the [rows, 1] rsqrt too must run whole vectors: rows padded to VECTOR_ELEMENTS
+        o, p = _pad_rows((o, p), _vector_rows(m, 1))
         y = o * torch.rsqrt(o.pow(2).mean(dim=1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
         cos, sin = rope.cos_sin(p + 1 - r)  # RoPE at the entry's first position
-        y = apply_interleaved_rope(y, cos, sin)
+        y = apply_interleaved_rope(y, cos, sin)[:m]
         if fb.caps is None:
             store.write(layer, entry, fb.entry_out_slots[closers], y)
         else:  # fixed shapes: every query computed its would-be entry; only block-closers keep it
             store.write_kept(layer, entry, fb.entry_out_slots, y, closes)
+
+
+# Elements of a fold's tensors a CPU's elementwise loop takes in whole vectors: ATen runs two vectors per iteration
+# (32 float32 with AVX-512) and the remainder through the scalar functions, whose exp differs from the vector one
+# in the last bit now and then. A position's state would then depend on where its row fell in the forward (in
+# the whole vectors of a 27-row prefill, in the tail of a 1-row decode): 2 of 432 elements differed on an AVX-512
+# CPU. Padding every fold to a multiple of this many elements keeps each element on the vector path in every
+# split (on a GPU every element runs the same code anyway, and at V4-Flash's 512 channels no padding is needed).
+VECTOR_ELEMENTS = 64
+
+
+def _vector_rows(n: int, d: int) -> int:
+    """The row count, at least ``n``, whose ``[rows, d]`` tensors are whole multiples of ``VECTOR_ELEMENTS``."""
+    step = VECTOR_ELEMENTS // math.gcd(VECTOR_ELEMENTS, d)
+    return -(-n // step) * step
+
+
+def _pad_rows(tensors: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
+    """Each tensor with zero rows appended up to ``rows``. A padded fold row reads no other row (``hit`` False)
+    and folds zeros onto a zero state: finite values, dropped after; a padded entry row normalises zeros (the
+    epsilon keeps it finite)."""
+    n = tensors[0].shape[0]
+    if rows == n:
+        return tensors
+    return tuple(torch.cat([t, t.new_zeros((rows - n, *t.shape[1:]))]) for t in tensors)
 
 
 def _predecessors(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
