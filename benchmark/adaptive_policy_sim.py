@@ -1,7 +1,8 @@
 """The adaptive budget's policy against a simulated server whose step times are as noisy as this CPU's.
 
-    python benchmark/adaptive_policy_sim.py [--seeds 12] [--scenarios NAME ...] [--steps 600] [--set PROBE_EVERY=16 ...] [--quiet-machine]
-        [--startup-error 1.3] [--hidden-per-token 0.05] [--overhead 6] [--learn-rest]
+    python benchmark/adaptive_policy_sim.py [--seeds 12] [--scenarios NAME ...] [--steps 600]
+        [--set PROBE_EVERY=16 ...] [--quiet-machine] [--startup-error 1.3] [--hidden-per-token 0.05]
+        [--overhead 6] [--learn-rest]
 
 Why: on the CPU one server's runs at one sweep point spread 8-60 %, so a sweep cannot tell two settings of the
 policy's constants apart. Here the server's own ``AdaptivePolicy`` (imported, not copied) chooses a shape per step

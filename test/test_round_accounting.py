@@ -13,8 +13,8 @@ from round_accounting import account  # noqa: E402
 
 LINE = ("[2026-12-06 00:55:39] TREE_V4 step: batch {b}, shape D2_K1_S1, accepted {a}, draft 5.00 ms, verify 18.00 ms, "
         "accept+commit 2.00 ms, scheduler since the last round {g} ms")
-PREFILL = ("[2026-12-06 00:55:38] Prefill batch, #new-seq: 1, #new-token: 76, #cached-token: 0, full token usage: 0.05, "
-           "#running-req: 31, #queue-req: 0")
+PREFILL = ("[2026-12-06 00:55:38] Prefill batch, #new-seq: 1, #new-token: 76, #cached-token: 0, "
+           "full token usage: 0.05, #running-req: 31, #queue-req: 0")
 
 
 def test_account_separates_observed_rounds_from_the_rest():

@@ -60,7 +60,7 @@ class HcaCompressor(CompressorWeights):
         pred, hit, query = fb.memo("hca_predecessors", lambda: _predecessors(fb))
         stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
         n = p.shape[0]
-        v, s, start, hit, query, stored = _pad_rows((v, s, start, hit, query, stored), _vector_rows(n, d))
+        v, s, start, hit, query, stored = _whole_vectors((v, s, start, hit, query, stored), d)
         stored_o, stored_lse = stored[:, :d], stored[:, d:]
         o, lse = v, s
         for _ in range(fb.memo(("hca_iterations", r), lambda: iterations(fb, r))):
@@ -78,8 +78,8 @@ class HcaCompressor(CompressorWeights):
             if closers.numel() == 0:
                 return
             o, p = o[closers], p[closers]
-        m = o.shape[0]  # the [rows, 1] rsqrt too must run whole vectors: rows padded to VECTOR_ELEMENTS
-        o, p = _pad_rows((o, p), _vector_rows(m, 1))
+        m = o.shape[0]  # the [rows, 1] rsqrt and the RoPE's cos/sin of p must run whole vectors too
+        o, p = _whole_vectors((o, p), 1)
         y = o * torch.rsqrt(o.pow(2).mean(dim=1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
         cos, sin = rope.cos_sin(p + 1 - r)  # RoPE at the entry's first position
         y = apply_interleaved_rope(y, cos, sin)[:m]
@@ -98,18 +98,15 @@ class HcaCompressor(CompressorWeights):
 VECTOR_ELEMENTS = 64
 
 
-def _vector_rows(n: int, d: int) -> int:
-    """The row count, at least ``n``, whose ``[rows, d]`` tensors are whole multiples of ``VECTOR_ELEMENTS``."""
-    step = VECTOR_ELEMENTS // math.gcd(VECTOR_ELEMENTS, d)
-    return -(-n // step) * step
-
-
-def _pad_rows(tensors: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
-    """Each tensor with zero rows appended up to ``rows``. A padded fold row reads no other row (``hit`` False)
-    and folds zeros onto a zero state: finite values, dropped after; a padded entry row normalises zeros (the
-    epsilon keeps it finite)."""
+def _whole_vectors(tensors: tuple[torch.Tensor, ...], width: int) -> tuple[torch.Tensor, ...]:
+    """On the CPU, each tensor with zero rows appended until ``[rows, width]`` is a whole multiple of
+    ``VECTOR_ELEMENTS`` (elsewhere as they are). A padded fold row reads no other row (``hit`` False) and folds
+    zeros onto a zero state: finite values, dropped after; a padded entry row normalises zeros (the epsilon keeps
+    it finite) at position 0."""
     n = tensors[0].shape[0]
-    if rows == n:
+    step = VECTOR_ELEMENTS // math.gcd(VECTOR_ELEMENTS, width)
+    rows = -(-n // step) * step
+    if rows == n or tensors[0].device.type != "cpu":
         return tensors
     return tuple(torch.cat([t, t.new_zeros((rows - n, *t.shape[1:]))]) for t in tensors)
 
