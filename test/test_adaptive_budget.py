@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from sglang_tree_v4.speculative import adaptive_budget
-from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_REACH, EXPLORE_SHARE, NO_SPECULATION, PROBE_CHANCE,
-                                                        PROBE_EVERY, WARMUP_STEPS, AdaptivePolicy, Curve, StepTimes,
-                                                        counterfactual_accepts, shape_menu)
+from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_IDLE, EXPLORE_REACH, EXPLORE_SHARE, NO_SPECULATION,
+                                                        PROBE_CHANCE, PROBE_EVERY, SPECULATION_MARGIN, STAY_MARGIN,
+                                                        WARMUP_STEPS, AdaptivePolicy, Curve, StepTimes,
+                                                        counterfactual_accepts, shape_menu, stay_margin)
 from sglang_tree_v4.tree import DraftTree, build_draft_tree, verify_greedy
 from sglang_tree_v4.tree.synthetic import PathHashDrafter
 from test_tree_verify_greedy import target_logits_favouring_tree
@@ -155,6 +156,20 @@ def test_policy_speculates_fully_when_drafting_is_cheap_and_drafts_are_accepted(
     assert policy.choose(1) == (8, 4)
 
 
+@pytest.mark.parametrize("left,want", [(1, NO_SPECULATION), (3, "a smaller tree"), (100, (8, 4))])
+def test_a_request_near_its_end_gets_no_deeper_tree_than_it_can_use(left, want):
+    """Where drafting is cheap and 8 tokens would be accepted, a request with one token left to emit gains nothing
+    from a tree (no speculation: a step that costs least), one with 3 left gains nothing from a tree beyond one
+    that emits 3; with 100 left (the control) the largest tree runs."""
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    chosen = policy.choose(1, remaining=[left])
+    if isinstance(want, str):
+        assert chosen not in (NO_SPECULATION, (8, 4)) and policy.stats.expected(chosen) >= 3, chosen
+    else:
+        assert chosen == want
+    assert adaptive_budget.batch_tokens(3, [left, 100, 100], 8)(2.5) == 2 * 2.5 + min(2.5, left)
+
+
 def _explored_share(policy: AdaptivePolicy, batch: int, chosen: list[tuple[int, int]], shape) -> float:
     times = {c: policy.times.predict(batch, c) for c in set(chosen)}
     return chosen.count(shape) * times[shape] / sum(times[c] for c in chosen)
@@ -191,22 +206,29 @@ def test_where_every_tree_is_far_behind_exploration_runs_the_best_tree_not_the_l
         assert 0.5 / EXPLORE_SHARE < share < 1.5 / EXPLORE_SHARE, (batch, share)
 
 
-@pytest.mark.parametrize("gate", [True, False])
-def test_no_probes_from_no_speculation_where_no_tree_can_pay(gate, monkeypatch):
-    """Probing the smallest tree from "no speculation" tells the policy something only while that tree might
-    clear the margin. Served at the model's times (so the fit knows them well) with every tree at half the
-    baseline's rate or less, the policy stops probing: in the second 1000 steps the only trees are the
-    exploration's (about one per 100 steps). The control (every probe allowed) runs a tree once per PROBE_EVERY
-    steps."""
-    if not gate:
+@pytest.mark.parametrize("gate", ["both", "no probe gate", "no exploration gate"])
+def test_no_probes_or_explorations_from_no_speculation_where_no_tree_can_pay(gate, monkeypatch):
+    """Probing the smallest tree, or exploring, from "no speculation" tells the policy something only while some
+    tree might clear the margin; each such step also lets a batch's requests drift apart (measured on the CPU at
+    batch 32-64: 2-4 % of the steps speculative cost 4-6 % against plain decoding). Served at the model's times (so
+    the fit knows them well) with every tree at half the baseline's rate or less, the policy stops both: in the
+    second 1000 steps a tree runs only as an overdue exploration (``EXPLORE_IDLE`` times its share). The controls:
+    with every probe allowed a tree runs at least once per PROBE_EVERY steps; with every exploration allowed, once
+    per EXPLORE_SHARE x (its step time / the baseline's) steps."""
+    if gate == "no probe gate":
         monkeypatch.setattr(adaptive_budget, "PROBE_CHANCE", 0.0)
+    if gate == "no exploration gate":
+        monkeypatch.setattr(AdaptivePolicy, "_may_explore", lambda self, batch, best, overdue: True)
     policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
     chosen = _served(policy, 64, 2000, lambda shape: policy.times.model(64, shape))[1000:]
     trees = len(chosen) - chosen.count(NO_SPECULATION)
-    if gate:
-        assert policy._chance_to_pay(64) < PROBE_CHANCE and trees <= 0.5 * 1000 / PROBE_EVERY, trees
-    else:
+    slower = policy.times.model(64, (2, 1)) / policy.times.model(64, NO_SPECULATION)
+    if gate == "both":
+        assert policy._chance_to_pay(64) < PROBE_CHANCE and trees <= 1000 / (EXPLORE_SHARE * EXPLORE_IDLE), trees
+    elif gate == "no probe gate":
         assert trees >= 1000 / PROBE_EVERY - 1, trees
+    else:
+        assert trees >= 0.7 * 1000 / (EXPLORE_SHARE * slower), (trees, slower)
 
 
 def test_observed_step_times_override_the_model():
@@ -256,8 +278,8 @@ def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_ba
     batch 32 was observed once in a run.)"""
     decide = AdaptivePolicy._decide
 
-    def tail_decides_none(self, batch):
-        return decide(self, batch) if batch == 32 else (NO_SPECULATION, 0.02)
+    def tail_decides_none(self, batch, remaining=None):
+        return decide(self, batch, remaining) if batch == 32 else (NO_SPECULATION, 0.02)
 
     monkeypatch.setattr(AdaptivePolicy, "_decide", tail_decides_none)
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
@@ -413,17 +435,27 @@ def test_time_fit_learns_each_shapes_error_through_a_drifting_machine():
     assert sum(averaged) / len(averaged) >= 0.15, averaged
 
 
-@pytest.mark.parametrize("observed_ahead,want", [(0.97, NO_SPECULATION), (1.03, (2, 1))])
+@pytest.mark.parametrize("observed_ahead,want", [(stay_margin(16) - 0.01, NO_SPECULATION),
+                                                  (stay_margin(16) + 0.01, (2, 1))])
 def test_only_observed_trees_get_the_hysteresis_band(observed_ahead, want):
-    """While speculating at a batch size: a tree the policy has only modelled there (here 5 % ahead of the
-    baseline, inside the band) must still clear the margin, so the policy stays with the best tree it has observed
-    if that one is ahead of the baseline, and otherwise stops speculating."""
+    """While speculating at a batch size: a tree the policy has only modelled there (here ahead of every other,
+    inside the band) must still clear the margin, so the policy stays with the best tree it has observed if that
+    one is ``stay_margin`` ahead of the baseline, and otherwise stops speculating."""
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
     batch, t_none = 16, 0.02
-    ahead = {(2, 1): observed_ahead, (8, 4): 1.05}
+    ahead = {(2, 1): observed_ahead, (8, 4): (stay_margin(16) + 0.01 + SPECULATION_MARGIN) / 2}
     seconds = {shape: t_none * policy.stats.expected(shape) / a for shape, a in ahead.items()}
     seconds[NO_SPECULATION] = t_none
     policy.times.observed = {(batch, *NO_SPECULATION): t_none, (batch, 2, 1): seconds[(2, 1)]}
     policy.times.predict = lambda b, shape: seconds.get(shape)
     policy.speculating[batch] = True
     assert policy._decide(batch)[0] == want
+
+
+def test_the_band_narrows_with_the_batch_size():
+    """A batch of one has no requests to drift apart, so there a tree stays while it is ahead at all; from
+    STAY_MARGIN_BATCH on it must stay STAY_MARGIN ahead; in between the edge rises with log2 of the batch size."""
+    edges = [stay_margin(b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert edges[0] == 1.0 and edges[-2] == edges[-1] == pytest.approx(STAY_MARGIN)
+    assert all(a < b for a, b in zip(edges[:-2], edges[1:-1])), edges
+    assert all(e < SPECULATION_MARGIN for e in edges)

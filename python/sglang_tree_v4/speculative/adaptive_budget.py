@@ -5,11 +5,11 @@ A shape is (D, S): D tokens verified per request (root included), drafted S step
 per node; (1, 0) is "no speculation" (the target decodes the root alone and the MTP is not run; its next draft
 catches up over what it missed, at most one window). For a batch of B requests the policy picks
 
-    argmax over shapes   B * A(D, S) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
+    argmax over shapes   sum over requests of min(A(D, S), tokens left) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
 
 speculating only where it clearly pays: from "no speculation" the policy moves to the best tree only where that
-tree's rate is ``SPECULATION_MARGIN`` times the baseline's, and it moves back only once the baseline's rate is
-above that of every tree it has observed at this batch size. The band between is hysteresis (per batch size): on a
+tree's rate is ``SPECULATION_MARGIN`` times the baseline's, and it moves back only once no tree it has observed at
+this batch size is ``stay_margin`` times the baseline's rate. The band between is hysteresis (per batch size): on a
 machine where one step's time varies by tens of percent, a tree that pays 15-30 % would otherwise be dropped
 whenever a noisy estimate dips under the margin (the CPU sweep ran without speculation on about a fifth of its
 batch-1 steps that way). Only observed trees get the band: a tree whose time at this batch size is still the
@@ -25,9 +25,10 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   of the time): the smallest shape that covers every tree whose rate is within ``EXPLORE_REACH`` of the best --
   the largest shape at small batches, a small tree where every tree is far behind no speculation (on the CPU at
   batch 64 the largest shape's runs, 1 % of the steps, had cost 1.3 ms per step, 3.5 %, to refresh statistics of
-  trees that could not pay there). The statistics are gathered from every ``STATS_EVERY``-th step (and every
-  exploring run): a sample of the steps says as much about acceptance as all of them, at a quarter of the
-  bookkeeping.
+  trees that could not pay there). From "no speculation" it runs, like the probes below, only while some tree
+  has ``PROBE_CHANCE`` of paying, and otherwise at 1 / ``EXPLORE_IDLE`` of its share (``_may_explore``). The
+  statistics are gathered from every ``STATS_EVERY``-th step (and every exploring run): a sample of the steps
+  says as much about acceptance as all of them, at a quarter of the bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again once that observation is ``EXPLORE_SHARE``
   steps old: the age of the baseline's observation at this batch size, see ``_baseline_due``), so the comparison
@@ -78,6 +79,15 @@ EXPLORE_SHARE = 50
 # throughput (prefill, catch-up after a switch, noise in the step times) favours plain decoding, and the default
 # must never lose to it.
 SPECULATION_MARGIN = 1.1
+# Once speculating at a batch size, the policy stays with an observed tree while its rate is ``stay_margin(batch)``
+# times the baseline's (the lower edge of the hysteresis band, see the module doc): 1 at batch 1, rising with log2
+# of the batch size to STAY_MARGIN at STAY_MARGIN_BATCH and above. Rounds do not show what speculating costs a
+# batch outside them: requests that would finish in one round finish over several, so the batch runs part-full and
+# the next requests are prefilled in more, smaller rounds; a batch of one has nothing to drift apart. Measured on
+# the CPU at batch 32 (GSM8K, ``benchmark/round_accounting.py``): D2 S1 1 % ahead of no speculation by the rounds
+# the policy observes, 6 % behind by the wall clock.
+STAY_MARGIN = 1.04
+STAY_MARGIN_BATCH = 32
 # Exploration covers the shapes whose rate is within this factor of the best: acceptance this much above the
 # statistics' is what it takes for a shape to matter.
 EXPLORE_REACH = 1.5
@@ -85,7 +95,9 @@ WARMUP_STEPS = 4  # the largest shape runs first, until the statistics have some
 STATS_DECAY = 0.98  # per step: the acceptance statistics follow the traffic of the last ~50 steps
 STATS_EVERY = 4  # acceptance statistics from every 4th step (0.4 ms of tensor work each on the CPU)
 TIME_EMA = 0.2  # weight of a new timing against the table's value
-PROBE_CHANCE = 0.1  # from no speculation, probe only where a tree has at least this chance of paying
+PROBE_CHANCE = 0.1  # from no speculation, probe or explore only where a tree has at least this chance of paying
+CHANCE_EVERY = 8  # steps between two evaluations of that chance for exploration (0.1-0.2 ms each on the CPU)
+EXPLORE_IDLE = 8  # without that chance, exploration runs at 1 / EXPLORE_IDLE of its share
 BASELINE_RETRY = 8  # steps between two tries at the baseline's first observation at a batch size
 PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
 # The step-time correction tracked per batch size (``TimeFit``), in log(served / modelled) step time. As (standard
@@ -98,6 +110,22 @@ FIT_SHARED_SD = (0.5, 0.01)
 FIT_SHAPE_SD = (0.3, 0.005)
 FIT_MACHINE = (0.95, 0.08)
 FIT_NOISE_SD = 0.12
+
+
+def stay_margin(batch: int) -> float:
+    """The lower edge of the hysteresis band at this batch size (``STAY_MARGIN``)."""
+    return 1 + (STAY_MARGIN - 1) * min(1.0, math.log2(max(batch, 1)) / math.log2(STAY_MARGIN_BATCH))
+
+
+def batch_tokens(batch: int, remaining: list[int] | None, most: int):
+    """``accepted -> tokens the batch emits per step`` when each request emits ``accepted`` on average but at most
+    its ``remaining`` tokens (``most``: the largest D, beyond which nothing caps): a request one token from its
+    ``max_new_tokens`` gains nothing from a tree, so a batch of requests near their ends speculates less."""
+    near = [r for r in remaining if r < most] if remaining else []
+    if not near:
+        return lambda accepted: batch * accepted
+    far = batch - len(near)
+    return lambda accepted: far * accepted + sum(min(accepted, max(r, 1)) for r in near)
 
 
 def shape_menu(max_tokens: int, topk: int, max_steps: int) -> list[tuple[int, int]]:
@@ -361,20 +389,24 @@ class AdaptivePolicy:
         self._rates: dict[tuple[int, int], tuple[float, float]] = {}  # per shape of the last decision: (rate, s)
         self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
         self.baseline_tried: dict[int, int] = {}  # per batch size: the step of the last choice of no speculation
+        self._chance_at: tuple[int, int, float] = (-10 ** 9, 0, 1.0)  # (step, batch size, ``_chance_to_pay``)
 
-    def choose(self, batch: int) -> tuple[int, int]:
-        """The shape for this step (on the deciding rank)."""
+    def choose(self, batch: int, remaining: list[int] | None = None) -> tuple[int, int]:
+        """The shape for this step (on the deciding rank); ``remaining``: each request's tokens still to emit (its
+        ``max_new_tokens`` less its output), if known."""
         self.steps += 1
         self.times.clock = self.steps
         if self.steps <= WARMUP_STEPS:
             return self.largest
-        best, best_s = self._decide(batch)
+        best, best_s = self._decide(batch, remaining)
         explore = self._explore_shape()
         explore_s = self._rates[explore][1] if explore in self._rates else self.times.predict(batch, explore)
         self.since_explore += 1
         self.since_probe += 1
         self.exploring = False
-        if best != explore and explore_s and best_s and self.since_explore >= EXPLORE_SHARE * explore_s / best_s:
+        share = explore_s / best_s if explore_s and best_s else None
+        if best != explore and share and self.since_explore >= EXPLORE_SHARE * share and self._may_explore(
+                batch, best, self.since_explore >= EXPLORE_SHARE * EXPLORE_IDLE * share):
             best, self.exploring = explore, True
         elif best != NO_SPECULATION and self._baseline_due(batch):
             best = NO_SPECULATION
@@ -399,6 +431,20 @@ class AdaptivePolicy:
         accepts = counterfactual_accepts(tree, accepted_nodes, accept_lens, self.largest[1])
         self.stats.update(accepts, ran, decay=STATS_DECAY ** self.since_stats)
         self.since_stats = 0
+
+    def _may_explore(self, batch: int, best: tuple[int, int], overdue: bool) -> bool:
+        """Whether an exploration that is due runs: always while speculating; from "no speculation" only while some
+        tree has ``PROBE_CHANCE`` of paying (``_chance_to_pay``, re-evaluated every ``CHANCE_EVERY`` steps), or once
+        it is ``EXPLORE_IDLE`` times overdue. Measured on the CPU at batch 32-64, where the policy ran 95-98 % of the
+        steps without speculation: the speculative 2-4 % (explorations and probes) each let some requests run ahead
+        of the rest of a batch whose requests would otherwise all finish in the same round, and those 2-4 % cost the
+        adaptive server 4-6 % against plain decoding. The rare overdue run keeps the acceptance statistics from
+        going stale on a server that only ever serves large batches."""
+        if best != NO_SPECULATION or overdue:
+            return True
+        if self.steps - self._chance_at[0] >= CHANCE_EVERY or self._chance_at[1] != batch:
+            self._chance_at = (self.steps, batch, self._chance_to_pay(batch))
+        return self._chance_at[2] >= PROBE_CHANCE
 
     def _chance_to_pay(self, batch: int) -> float:
         """By the fit's uncertainty, the chance that the likeliest tree beats no speculation by the margin: where it
@@ -438,15 +484,16 @@ class AdaptivePolicy:
         stalest = max(near, key=lambda n: age[n], default=None)
         return stalest if stalest is not None and age[stalest] >= PROBE_EVERY else None
 
-    def _decide(self, batch: int) -> tuple[tuple[int, int], float | None]:
+    def _decide(self, batch: int, remaining: list[int] | None = None) -> tuple[tuple[int, int], float | None]:
         """The policy's own choice (before exploration and baseline probes) and its predicted step time: the best
         tree against the baseline, with the hysteresis of the module doc."""
         self._rates = rates = {}
         expected = self.stats.table()
+        emitted = batch_tokens(batch, remaining, self.largest[0])
         for shape in self.menu:
             accepted, seconds = expected[shape[1]][shape[0]], self.times.predict(batch, shape)
             if accepted is not None and seconds is not None and seconds > 0:
-                rates[shape] = (batch * accepted / seconds, seconds)
+                rates[shape] = (emitted(accepted) / seconds, seconds)
         trees = [s for s in rates if s != NO_SPECULATION]
         if not trees:
             return (NO_SPECULATION, rates[NO_SPECULATION][1]) if NO_SPECULATION in rates else (self.largest, None)
@@ -456,7 +503,7 @@ class AdaptivePolicy:
             seen = [s for s in trees if (batch, *s) in self.times.observed]
 
             def pays(shape) -> bool:  # ties go to the baseline
-                bar = 1.0 if speculating and shape in seen else SPECULATION_MARGIN
+                bar = stay_margin(batch) if speculating and shape in seen else SPECULATION_MARGIN
                 return rates[shape][0] > bar * rates[NO_SPECULATION][0]
 
             if not pays(tree):

@@ -22,7 +22,8 @@ round's accepted tokens are read from the batch's ``spec_info`` until they reach
 (``_pending_tokens``). A round needs D slots past the committed length, inside SGLang's speculative reservation
 (twice max(D, K S) past the committed length it knows, which lags by at most one round's D).
 
-Prefill rounds are plain target forwards, then the MTP over each chunk's last window (``_prefill_mtp``).
+Prefill rounds are plain target forwards, then the MTP over each chunk's last window (``_prefill_mtp``), unless
+the adaptive budget is not speculating at the batch size the prefill joins (``_defer_prefill_mtp``).
 
 Without shape flags the budget is adaptive (``adaptive_budget``): before step 1 the worker picks this step's shape
 (D, S), possibly "no speculation" (the root alone is verified, i.e. ordinary decoding, and the MTP skips the step;
@@ -153,7 +154,10 @@ class TreeV4Worker(BaseSpecWorker):
         self._last_round_end = None  # the next decode round's time must not include this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         if batch.forward_mode.is_extend() and batch.reqs:
-            self._prefill_mtp(batch)
+            if self._drafts_next():
+                self._prefill_mtp(batch)
+            else:
+                self._defer_prefill_mtp(batch)
         bs, D = len(batch.reqs), self.budget.draft_tokens
         accept_tokens = torch.zeros(bs, D, dtype=torch.int32, device=self.device)
         accept_tokens[:, 0] = result.next_token_ids
@@ -167,6 +171,31 @@ class TreeV4Worker(BaseSpecWorker):
             next_draft_input=NgramVerifyInput(draft_token_num=D, new_seq_lens=new_seq_lens,
                                               accept_tokens=accept_tokens.flatten(), accept_lens=accept_lens),
             speculative_num_draft_tokens=D)
+
+    def _drafts_next(self) -> bool:
+        """Whether the batch this prefill joins is likely to speculate soon: not where the adaptive budget's last
+        own choice at its batch size (every request now holding a row of the pool) was "no speculation". Rank 0's
+        answer on every rank (only it chooses, and the MTP's forward uses the TP group)."""
+        if self.policy is None:
+            return True
+        pool = self.req_to_token_pool
+        drafts = self.policy.speculating.get(pool.size - pool.available_size()) is not False
+        return bool(self._broadcast_ints([int(drafts)])[0])
+
+    def _defer_prefill_mtp(self, batch) -> None:
+        """In place of ``_prefill_mtp`` where the batch is not expected to speculate (on the CPU the MTP's prefill
+        was 1.7 % of a never-speculating server's time at batch 64): each request's MTP starts at the chunk's last D
+        positions (not before the position ahead of the chunk, the furthest back a prefill's MTP reads the ring),
+        masked below, as after steps without speculation (``catch_up_start``), so the first draft, if any, catches
+        up on those from the streams the prefill left in the ring. A later chunk that runs the MTP starts its own
+        window (not a continuation)."""
+        C = self.budget.draft_tokens
+        for req, a, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            start = max(a + n - C, a - 1, 0)
+            setattr(req, MTP_FROM_ATTR, start)
+            setattr(req, MTP_LEN_ATTR, start)
+            setattr(req, PREFILL_LEN_ATTR, a + n)
+            setattr(req, PREFILLED_TO_ATTR, None)
 
     def _prefill_mtp(self, batch) -> None:
         """The MTP's rows over each chunk's last window, from the streams the prefill forward just produced
@@ -303,18 +332,24 @@ class TreeV4Worker(BaseSpecWorker):
         return VerifyCoins(torch.cat([r.accept for r in rows]).to(self.device),
                            torch.cat([r.bonus for r in rows]).to(self.device))
 
-    def _shape(self, bs: int) -> tuple[int, int]:
-        """This step's (D, S): the pinned budget, or the adaptive choice of rank 0."""
+    def _shape(self, batch) -> tuple[int, int]:
+        """This step's (D, S): the pinned budget, or the adaptive choice of rank 0 (from each request's tokens still
+        to emit, its ``max_new_tokens`` less its output: at most one round's tokens more than it has left under
+        overlap scheduling)."""
         if self.policy is None:
             return self.budget.draft_tokens, self.budget.steps
-        d, s = self.policy.choose(bs) if self.tp_group.rank_in_group == 0 else NO_SPECULATION
+        if self.tp_group.rank_in_group == 0:
+            remaining = [(req.sampling_params.max_new_tokens or 1 << 30) - len(req.output_ids) for req in batch.reqs]
+            d, s = self.policy.choose(len(batch.reqs), remaining)
+        else:
+            d, s = NO_SPECULATION
         d, s = self._broadcast_ints([d, s])
         return d, s
 
     def _decode_round(self, batch, on_publish):
         start = time.perf_counter()
         bs, D_max = len(batch.reqs), self.budget.draft_tokens
-        D, S = self._shape(bs)
+        D, S = self._shape(batch)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
             pending = self._pending_tokens(batch, batch.seq_lens.tolist())
             roots = torch.tensor([p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending)],

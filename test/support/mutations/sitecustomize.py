@@ -18,8 +18,10 @@ after it is first imported, before anyone binds its names. The product code carr
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
-so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; ``never_speculate`` makes it
-choose "no speculation" at every step (what a step that does not speculate costs, ``benchmark/none_step_cost.py``).
+so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; every
+third step it marks its batch size as not speculating, so the prefills that join such a batch defer the MTP's rows
+(``worker._defer_prefill_mtp``). ``never_speculate`` makes it choose "no speculation" at every step (what a step
+that does not speculate costs, ``benchmark/none_step_cost.py``).
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ def _stream_off_by_one(drafter) -> None:
 
 
 def _cycle_shapes(adaptive) -> None:
-    def choose(self, batch):
+    def choose(self, batch, remaining=None):
         self.steps += 1
+        self.speculating[batch] = self.steps % 3 != 0  # a prefill joining "no speculation" defers the MTP's rows
         cycle = self.menu + [adaptive.NO_SPECULATION] * (max(d for d, _ in self.menu) + 1)
         return cycle[self.steps % len(cycle)]
 
@@ -108,7 +111,7 @@ def _cycle_shapes(adaptive) -> None:
 
 
 def _never_speculate(adaptive) -> None:
-    adaptive.AdaptivePolicy.choose = lambda self, batch: adaptive.NO_SPECULATION
+    adaptive.AdaptivePolicy.choose = lambda self, batch, remaining=None: adaptive.NO_SPECULATION
 
 
 PATCHES = {
