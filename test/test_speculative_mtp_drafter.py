@@ -16,7 +16,7 @@ from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store, new_streams_stor
 from sglang_tree_v4.dsv4.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
 from sglang_tree_v4.speculative.mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_prefill, catch_up_start,
-                                                    mtp_window_from, prefill_span)
+                                                    deferred_start, mtp_window_from, prefill_span)
 from sglang_tree_v4.tree import build_draft_tree
 from support.tiny_v4 import randomize, tiny_config
 
@@ -153,6 +153,48 @@ def test_a_catch_up_after_a_gap_reads_no_row_of_the_gap():
     assert torch.equal(root(masked, 1), root(masked, 2))
     whole = runner.req_table[rid:rid + 1]
     assert not torch.allclose(root(whole, 1), root(whole, 2))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("later", [0, 5])
+def test_a_deferred_prefill_drafts_from_the_last_streams_alone(later):
+    """A prefill that joined a batch not speculating skipped the MTP (``deferred_start``). The first draft, right
+    after the prefill or ``later`` steps without speculation on, catches up on the last D positions from their
+    streams alone: with every older stream NaN (what the ring no longer holds) and every MTP row below stale
+    (random), the root draft is finite and the same for two fillings of the stale rows. Control: the whole table
+    reads the stale rows."""
+    model = _model()
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    runner = DSV4Runner(model, num_slots=512, max_len=128, max_reqs=4)
+    rid = runner.add_request()
+    out = runner.extend([rid], [prompt])[0]
+    tokens, target_streams = prompt + [int(out.logits[-1].argmax())], [out.streams]
+    for _ in range(later):  # plain decoding: the target alone
+        out = runner.extend([rid], [tokens[-1:]])[0]
+        tokens.append(int(out.logits[-1].argmax()))
+        target_streams.append(out.streams)
+    slots, L, b = runner.slots_of(rid), len(tokens) - 1, len(prompt)
+    start0 = deferred_start(0, b, D)
+    start, gap = catch_up_start(start0, b, L, model.cfg.window, D)
+    assert start == L - D and start0 == b - D and gap == (later > 0)
+    streams = new_streams_store(model.cfg, 512)
+    width = streams.layouts[0].width
+    kept = L - D  # the ring holds at least the last D positions' streams (``storage.ring_period``)
+    streams.write(0, "h", slots[:kept], torch.full((kept, width), float("nan")))
+    streams.write(0, "h", slots[kept:L], torch.cat(target_streams)[kept:L].flatten(1))
+
+    def root(table, seed):
+        g = torch.Generator().manual_seed(seed)
+        for buf in runner.mtp_store.buffers:
+            rows = runner.mtp_store.index(0, "k", slots[:start])
+            buf[rows] = torch.randn(len(rows), buf.shape[1], generator=g) * 3
+        return catch_up(model, runner.mtp_store, streams, table, [start], [L], [tokens[start + 1:L + 1]])[0]
+
+    masked = mtp_window_from(runner.req_table[rid:rid + 1], [start])
+    first = root(masked, 1)
+    assert torch.isfinite(first).all() and torch.equal(first, root(masked, 2))
+    whole = runner.req_table[rid:rid + 1]
+    assert not torch.allclose(root(whole, 1), root(whole, 2), equal_nan=True)
 
 
 PROMPT_LEN = 45

@@ -117,8 +117,12 @@ def test_served_acceptance_is_the_offline_loops(servers, greedy_outputs, target_
     assert checks.acceptance_matches(ratios), ratios
 
 
-def _shape_steps(server) -> dict[str, int]:
-    state = requests.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+def _state(server) -> dict:
+    return requests.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def _shape_steps(server) -> tuple[dict[str, int], bool]:
+    state = _state(server)
     return state["tree_v4_shape_steps"], state["tree_v4_adaptive"]
 
 
@@ -133,6 +137,12 @@ def test_shape_counters_in_server_info(servers, greedy_outputs):
     steps, adaptive = _shape_steps(servers["cycling"])
     menu = shape_menu(8, 3, 4)
     assert adaptive and len(steps) == len(menu) and steps.get("none", 0) > 0, steps
+    # Every other prefill round of the cycling server finds its batch "not speculating" and defers the MTP's rows;
+    # its outputs are still the plain server's (``test_greedy_equals_non_speculative``) and it drafts after such
+    # prefills (every shape ran). A pinned server always drafts, so it never defers.
+    prefills = {name: _state(servers[name])["tree_v4_mtp_prefills"] for name in ("tree", "cycling")}
+    assert prefills["tree"]["deferred"] == 0 and prefills["tree"]["run"] > 0, prefills
+    assert prefills["cycling"]["deferred"] > 0 and prefills["cycling"]["run"] > 0, prefills
 
 
 def test_step_times_measured_once_then_read_from_the_cache(servers):

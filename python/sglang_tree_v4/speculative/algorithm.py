@@ -50,11 +50,13 @@ class TreeV4Algorithm(CustomSpecAlgo):
 
 def add_shape_counters(result, controller, state: dict) -> None:
     """AFTER hook on the scheduler's speculative server-info section: steps per tree shape (``none`` = decoded
-    without speculation) and whether the budget is adaptive, in ``/get_server_info``'s ``internal_states``."""
+    without speculation), whether the budget is adaptive, and the prefill chunks whose MTP rows ran or were
+    deferred (``worker._defer_prefill_mtp``), in ``/get_server_info``'s ``internal_states``."""
     from .worker import ACTIVE
 
     if ACTIVE:
         state["tree_v4_shape_steps"] = dict(ACTIVE[0].shape_counts)
+        state["tree_v4_mtp_prefills"] = dict(ACTIVE[0].mtp_prefills)
         state["tree_v4_adaptive"] = ACTIVE[0].policy is not None
 
 

@@ -118,6 +118,15 @@ def catch_up_start(mtp_len: int, prefill_len: int, L: int, window: int, cap: int
     return max(mtp_len, L - window, 0), False
 
 
+def deferred_start(a: int, b: int, cap: int) -> int:
+    """Where the MTP's rows of a request start when its prefill chunk ``[a, b)`` skipped them (the batch it joins
+    is not speculating): the chunk's last ``cap`` positions, not before the position ahead of the chunk (the
+    furthest back a prefill's MTP reads the streams' ring). The worker records it as both the MTP's length and
+    the start of its window, so the first catch-up (``catch_up_start``) covers the positions from there, masked
+    below, as after steps without speculation."""
+    return max(b - cap, a - 1, 0)
+
+
 def mtp_window_from(req_table: torch.Tensor, first: list[int]) -> torch.Tensor:
     """``req_table`` with every position below request ``b``'s ``first[b]`` unknown (-1): what the MTP may read."""
     if not any(first):

@@ -52,7 +52,7 @@ from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, ver
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy
 from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
-                          mtp_window_from, prefill_span)
+                          deferred_start, mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -101,6 +101,7 @@ class TreeV4Worker(BaseSpecWorker):
         self.tp_group = get_tp_group()
         self.policy = self._adaptive_policy() if os.environ.get(ADAPTIVE_ENV) == "1" else None
         self.shape_counts: dict[str, int] = {}
+        self.mtp_prefills = {"run": 0, "deferred": 0}  # prefill chunks whose MTP rows ran / were deferred
         self._last_round_end: tuple[float, int] | None = None
         ACTIVE[:] = [self]
         logger.info("TREE_V4 worker: D=%d K=%d S=%d%s, draft score temperature %.3g, %s verify step",
@@ -154,10 +155,10 @@ class TreeV4Worker(BaseSpecWorker):
         self._last_round_end = None  # the next decode round's time must not include this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         if batch.forward_mode.is_extend() and batch.reqs:
-            if self._drafts_next():
-                self._prefill_mtp(batch)
-            else:
-                self._defer_prefill_mtp(batch)
+            drafts = self._drafts_next()
+            (self._prefill_mtp if drafts else self._defer_prefill_mtp)(batch)
+            key = "run" if drafts else "deferred"
+            self.mtp_prefills[key] += len(batch.reqs)
         bs, D = len(batch.reqs), self.budget.draft_tokens
         accept_tokens = torch.zeros(bs, D, dtype=torch.int32, device=self.device)
         accept_tokens[:, 0] = result.next_token_ids
@@ -185,13 +186,12 @@ class TreeV4Worker(BaseSpecWorker):
     def _defer_prefill_mtp(self, batch) -> None:
         """In place of ``_prefill_mtp`` where the batch is not expected to speculate (on the CPU the MTP's prefill
         was 1.7 % of a never-speculating server's time at batch 64): each request's MTP starts at the chunk's last D
-        positions (not before the position ahead of the chunk, the furthest back a prefill's MTP reads the ring),
-        masked below, as after steps without speculation (``catch_up_start``), so the first draft, if any, catches
-        up on those from the streams the prefill left in the ring. A later chunk that runs the MTP starts its own
-        window (not a continuation)."""
+        positions (``deferred_start``), masked below, so the first draft, if any, catches up on those from the
+        streams the prefill left in the ring. A later chunk that runs the MTP starts its own window (not a
+        continuation)."""
         C = self.budget.draft_tokens
         for req, a, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            start = max(a + n - C, a - 1, 0)
+            start = deferred_start(a, a + n, C)
             setattr(req, MTP_FROM_ATTR, start)
             setattr(req, MTP_LEN_ATTR, start)
             setattr(req, PREFILL_LEN_ATTR, a + n)

@@ -18,9 +18,8 @@ after it is first imported, before anyone binds its names. The product code carr
 
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
-so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; every
-third step it marks its batch size as not speculating, so the prefills that join such a batch defer the MTP's rows
-(``worker._defer_prefill_mtp``). ``never_speculate`` makes it choose "no speculation" at every step (what a step
+so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; and every
+other prefill round finds the batch "not speculating", so it defers the MTP's rows (``worker._defer_prefill_mtp``). ``never_speculate`` makes it choose "no speculation" at every step (what a step
 that does not speculate costs, ``benchmark/none_step_cost.py``).
 """
 
@@ -100,14 +99,31 @@ def _stream_off_by_one(drafter) -> None:
     drafter._mtp_rows = _mtp_rows
 
 
+class _EveryOtherNotSpeculating(dict):
+    """The policy's per-batch-size record of speculating, as the worker's prefill reads it: every other lookup
+    answers "not speculating", whatever the batch size."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return self.lookups % 2 == 0
+
+
 def _cycle_shapes(adaptive) -> None:
     def choose(self, batch, remaining=None):
         self.steps += 1
-        self.speculating[batch] = self.steps % 3 != 0  # a prefill joining "no speculation" defers the MTP's rows
         cycle = self.menu + [adaptive.NO_SPECULATION] * (max(d for d, _ in self.menu) + 1)
         return cycle[self.steps % len(cycle)]
 
+    init = adaptive.AdaptivePolicy.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.speculating = _EveryOtherNotSpeculating()
+
     adaptive.AdaptivePolicy.choose = choose
+    adaptive.AdaptivePolicy.__init__ = __init__
 
 
 def _never_speculate(adaptive) -> None:
