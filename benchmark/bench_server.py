@@ -27,9 +27,9 @@ def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:
             "--speculative-eagle-topk", str(topk), "--speculative-num-steps", str(num_steps)]
 
 
-def launch(model: str, device: str, extra: list[str], log: Path) -> Server:
+def launch(model: str, device: str, extra: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
     """Start a server in its own process group; returns at once (see ``wait_healthy``)."""
-    return launcher.launch(model, ["--device", device, *extra], log)
+    return launcher.launch(model, ["--device", device, *extra], log, env=env)
 
 
 def _one_request(url: str, text: str, sampling: dict) -> dict:

@@ -4,6 +4,7 @@
         [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
         [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8 --waves 1] [--max-new-tokens 64]
         [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
+        [--reuse-step-times]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
 the per-request ``meta_info`` counts make restarts unnecessary. The servers of one budget (tree and chain) run
@@ -14,7 +15,8 @@ own benchmarks do. Before a point is measured, each server runs it ``--warmup-ru
 run at a new batch size pays for memory the server touches for the first time (and an adaptive server has not yet
 timed its shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line
 per point (fields: ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short
-run keeps its points. The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it
+run keeps its points. An adaptive server (``--shapes adaptive``) measures its step times at startup into the run's
+own cache folder (``--reuse-step-times``: read the user's cache, as a restarted server would). The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it
 with explicit shapes.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
+from sglang_tree_v4 import launcher  # noqa: E402
 from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature  # noqa: E402
 
 QUICK = {"datasets": ["gsm8k"], "budgets": [6], "batch_sizes": [1, 4], "min_prompts": 4, "max_new_tokens": 16}
@@ -67,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-servers", type=int, default=2,
                     help="servers of one budget run side by side (tree and chain measured alternately)")
     ap.add_argument("--resume", action="store_true", help="append, skipping points already in --out")
+    ap.add_argument("--reuse-step-times", action="store_true",
+                    help="let the adaptive server read the user's step-time cache (default: it measures afresh)")
     ap.add_argument("--quick", action="store_true",
                     help="small grid (GSM8K, D=6, batch 1 and 4, 4 prompts, 16 tokens): a few minutes on a CPU")
     args = ap.parse_args(argv)
@@ -151,7 +156,12 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
             log = log_dir / f"server_{shape}_D{budget}_K{topk}_S{steps}.log"
             flags = (["--speculative-algorithm", "TREE_V4"] if shape == "adaptive" else
                      bench_server.spec_args(topk, steps, budget))
-            servers[cfg] = bench_server.launch(args.model_path, args.device, flags + args.server_args.split(), log)
+            # Its step-time cache is the run's own unless asked otherwise: a cache file measured earlier on a busy
+            # machine (a test run beside it) would be read back as this machine's step times.
+            env = None if shape != "adaptive" or args.reuse_step_times else launcher.clean_env(
+                XDG_CACHE_HOME=str(log_dir / "step_time_cache"))
+            servers[cfg] = bench_server.launch(args.model_path, args.device, flags + args.server_args.split(), log,
+                                               env=env)
             if shape == "adaptive":
                 try:
                     bench_server.wait_healthy(servers[cfg])
