@@ -2,7 +2,7 @@
 round, and the wall clock, for a pinned TREE_V4 shape against TREE_V4 never speculating, side by side.
 
     python benchmark/round_accounting.py [--model-path models/tiny-v4] [--dataset gsm8k] [--batch-size 32]
-        [--waves 2] [--shape 2:1:1] [--repeats 3] [--max-new-tokens 64] [--out FILE.jsonl]
+        [--waves 2] [--shape 2:1:1 | --shape adaptive] [--repeats 3] [--max-new-tokens 64] [--out FILE.jsonl]
 
 Why: the adaptive budget compares shapes by the time of the rounds it observes, back-to-back decode rounds at one
 batch size (``TreeV4Worker._account``). A run's wall clock holds more: the rounds at other batch sizes (a batch
@@ -14,7 +14,10 @@ TREE_V4 pinned to ``--shape`` (D:K:S) and TREE_V4 forced never to speculate (the
 ``--waves`` x batch size prompts, ``batch size`` in flight) is sliced out of the server's log; per run and server:
 ms per output token of the observed rounds (draft + verify + accept/commit + the scheduler's gap, rounds at the
 batch size with a previous round to measure from), of every decode round, and of the wall clock; the rounds below
-the batch size, and the prefill rounds. Medians over ``--repeats`` runs after a warm-up run, in the JSONL.
+the batch size, and the prefill rounds. Medians over ``--repeats`` runs after a warm-up run, in the JSONL. Then,
+summed over the runs, each shape's observed rounds: count, ms per round, tokens per request per round, output
+tokens per ms. ``--shape adaptive`` runs the default (adaptive) server in place of a pinned one, so its rounds
+show what the policy chose and how each choice did by the rounds, next to its wall clock.
 """
 from __future__ import annotations
 
@@ -40,10 +43,12 @@ from support import serving_checks  # noqa: E402
 PREFILL = re.compile(r"Prefill batch")
 
 
-def account(lines: list[str], batch: int, tokens: int, wall_s: float) -> dict:
-    """One run's log lines -> ms per output token of the observed rounds, of all decode rounds, of the wall."""
+def account(lines: list[str], batch: int, tokens: int, wall_s: float, shapes: dict | None = None) -> dict:
+    """One run's log lines -> ms per output token of the observed rounds, of all decode rounds, of the wall;
+    ``shapes`` (shape -> [rounds, ms, tokens]) gathers the observed rounds per shape."""
     observed_ms = observed_tokens = decode_ms = 0.0
     rounds = partial = 0
+    shapes = {} if shapes is None else shapes
     for line in lines:
         m = ROUND.search(line)
         if not m:
@@ -57,6 +62,8 @@ def account(lines: list[str], batch: int, tokens: int, wall_s: float) -> dict:
         if bs == batch and not math.isnan(gap):  # what the adaptive budget observes
             observed_ms += work + gap
             observed_tokens += accepted
+            tally = shapes.setdefault(m.group(2), [0, 0.0, 0])
+            tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + work + gap, tally[2] + accepted
     return {"observed_ms_per_token": observed_ms / max(observed_tokens, 1),
             "decode_ms_per_token": decode_ms / tokens, "wall_ms_per_token": 1e3 * wall_s / tokens,
             "decode_rounds": rounds, "partial_batch_rounds": partial,
@@ -69,20 +76,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "mbpp", "sharegpt"])
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--waves", type=int, default=2)
-    ap.add_argument("--shape", default="2:1:1", help="the pinned server's D:K:S")
+    ap.add_argument("--shape", default="2:1:1", help="the pinned server's D:K:S, or 'adaptive' (no shape flags)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    d, k, s = args.shape.split(":")
     folder = Path(tempfile.mkdtemp(prefix="round_accounting_"))
     common = ["--device", "cpu", "--sleep-on-idle", "--log-level", "debug", "--speculative-algorithm", "TREE_V4",
               "--max-running-requests", str(args.batch_size), "--max-total-tokens", "65536"]
-    pinned = f"D{d}_K{k}_S{s}"
+    if args.shape == "adaptive":
+        pinned, flags = "adaptive", []
+    else:
+        d, k, s = args.shape.split(":")
+        pinned = f"D{d}_K{k}_S{s}"
+        flags = ["--speculative-num-draft-tokens", d, "--speculative-eagle-topk", k, "--speculative-num-steps", s]
     started = {
-        pinned: launcher.launch(args.model_path, common + ["--speculative-num-draft-tokens", d,
-                                                           "--speculative-eagle-topk", k, "--speculative-num-steps", s],
-                                folder / "pinned.log", env=launcher.clean_env(XDG_CACHE_HOME=str(folder / "c1"))),
+        pinned: launcher.launch(args.model_path, common + flags, folder / "pinned.log",
+                                env=launcher.clean_env(XDG_CACHE_HOME=str(folder / "c1"))),
         "none": serving_checks.launch_mutated(args.model_path, common, "never_speculate", folder / "none.log",
                                               XDG_CACHE_HOME=str(folder / "c2")),
     }
@@ -91,13 +101,15 @@ def main(argv: list[str] | None = None) -> None:
         texts = bench_prompts.chat_texts(args.model_path, args.dataset, args.waves * args.batch_size)
         sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
         runs: dict[str, list[dict]] = {name: [] for name in servers}
+        shapes: dict[str, dict] = {name: {} for name in servers}
         for i in range(args.repeats + 1):
             for name, server in servers.items():  # in turn: both see each stretch of the machine
                 start = len(logs[name].read_text().splitlines())
                 got = bench_server.measure(server, texts, args.batch_size, sampling)
                 if i:  # the first run is a warm-up
                     lines = logs[name].read_text().splitlines()[start:]
-                    runs[name].append(account(lines, args.batch_size, got["output_tokens"], got["wall_s"]))
+                    runs[name].append(account(lines, args.batch_size, got["output_tokens"], got["wall_s"],
+                                              shapes[name]))
     records = []
     print(f"\n{args.dataset}, batch {args.batch_size}, {args.waves} waves, medians of {args.repeats} runs\n")
     print("| server | observed rounds, ms/token | all decode rounds, ms/token | wall, ms/token | decode rounds "
@@ -110,7 +122,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{med['prefill_rounds']:.0f} |")
         records.append({"bench": "round_accounting", "server": name, "dataset": args.dataset,
                         "batch_size": args.batch_size, "waves": args.waves, **med, "runs": values,
-                        "commit": bench_common.git_commit()})
+                        "observed_by_shape": shapes[name], "commit": bench_common.git_commit()})
+    print("\n| server | shape | observed rounds | ms per round | tokens per request per round | tokens per ms |")
+    print("|---|---|---|---|---|---|")
+    for name, by_shape in shapes.items():
+        for shape, (n, ms, tokens) in sorted(by_shape.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {name} | {shape} | {n} | {ms / n:.1f} | {tokens / n / args.batch_size:.2f} | "
+                  f"{tokens / ms:.3f} |")
     bench_common.write_records(args.out, records)
 
 

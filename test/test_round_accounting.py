@@ -24,8 +24,10 @@ def test_account_separates_observed_rounds_from_the_rest():
              PREFILL,
              LINE.format(b=31, a=50, g="2.00"),  # a part-full batch: not observed
              "[2026-12-06 00:55:39] some other line"]
-    got = account(lines, batch=32, tokens=212, wall_s=0.2)
+    shapes = {}
+    got = account(lines, batch=32, tokens=212, wall_s=0.2, shapes=shapes)
     assert got["observed_ms_per_token"] == pytest.approx((27.0 + 28.0) / 108)
     assert got["decode_ms_per_token"] == pytest.approx((25.0 + 27.0 + 28.0 + 27.0) / 212)
     assert got["wall_ms_per_token"] == pytest.approx(200.0 / 212)
     assert (got["decode_rounds"], got["partial_batch_rounds"], got["prefill_rounds"]) == (4, 1, 1)
+    assert shapes == {"D2_K1_S1": [2, pytest.approx(55.0), 108]}  # the observed rounds only, per shape
