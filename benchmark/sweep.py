@@ -16,8 +16,8 @@ run at a new batch size pays for memory the server touches for the first time (a
 timed its shapes there), which made the first of three runs the slowest on every server on a CPU. One JSONL line
 per point (fields: ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short
 run keeps its points. An adaptive server (``--shapes adaptive``) measures its step times at startup into the run's
-own cache folder (``--reuse-step-times``: read the user's cache, as a restarted server would). The tree's (K, S) per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it
-with explicit shapes.
+own cache folder (``--reuse-step-times``: read the user's cache, as a restarted server would). The tree's (K, S)
+per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import torch
 from sglang_tree_v4.speculative import adaptive_budget
 from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_IDLE, EXPLORE_REACH, EXPLORE_SHARE, NO_SPECULATION,
                                                         PROBE_CHANCE, PROBE_EVERY, SPECULATION_MARGIN, STAY_MARGIN,
-                                                        STAY_MARGIN_BATCH, WARMUP_STEPS, AdaptivePolicy, Curve, StepTimes,
-                                                        counterfactual_accepts, shape_menu, stay_margin)
+                                                        STAY_MARGIN_BATCH, WARMUP_STEPS, AdaptivePolicy, Curve,
+                                                        StepTimes, counterfactual_accepts, shape_menu, stay_margin)
 from sglang_tree_v4.tree import DraftTree, build_draft_tree, verify_greedy
 from sglang_tree_v4.tree.synthetic import PathHashDrafter
 from test_tree_verify_greedy import target_logits_favouring_tree
