@@ -15,6 +15,11 @@ children SIGINT and SIGTERM are ignored, which leaves the decision to the parent
 exception, a kill -9, out of memory) is still reported by SGLang's watchdog as before. In the ``launch_server``
 process a Ctrl-C after the graceful shutdown, or before the server runs, exits with status 0 instead of a
 traceback. Other programs (a user's script with ``sglang.Engine``) keep their own SIGINT.
+
+After a Ctrl-C, uvicorn stops serving and re-raises the SIGINT, and ``launch_server`` then kills its children with
+SIGKILL. SGLang's subprocess watchdog polls once a second and is still running on that path (SIGTERM stops it
+first), so now and then it saw the scheduler's ``-9`` before the process exited and reported a crash. The quiet
+exit stops the watchdog before the children are killed.
 """
 
 from __future__ import annotations
@@ -40,7 +45,20 @@ def _is_launch_server() -> bool:
     return sys.argv[0].replace("\\", "/").endswith("sglang/launch_server.py")
 
 
+def _stop_crash_watch() -> None:
+    """Stop the server's subprocess watchdog: from here on its children are ended on purpose."""
+    try:
+        from sglang.srt.entrypoints.http_server import get_global_state
+    except ImportError:
+        return
+    state = get_global_state()
+    watchdog = getattr(getattr(state, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+
+
 def _exit_quietly(signum, frame) -> None:
+    _stop_crash_watch()
     raise SystemExit(0)
 
 
