@@ -7,6 +7,10 @@ catches up over what it missed, at most one window). For a batch of B requests t
 
     argmax over shapes   sum over requests of min(A(D, S), tokens left) / (T_draft(B, S) + T_verify(B * D) + T_rest(B))
 
+less, at batch sizes above 1, what the shape's spread of tokens per round costs the batch outside its rounds
+(``lockstep``: requests that would finish in the same round drift apart, and the batch's last request runs on
+alone); ``_charge_lockstep``.
+
 speculating only where it clearly pays: from "no speculation" the policy moves to the best tree only where that
 tree's rate is ``SPECULATION_MARGIN`` times the baseline's, and it moves back only once no tree it has observed at
 this batch size is ``stay_margin`` times the baseline's rate. The band between is hysteresis (per batch size): on a
@@ -69,6 +73,7 @@ import numpy as np
 import torch
 
 from ..tree import DraftTree
+from . import lockstep
 
 NO_SPECULATION = (1, 0)
 # A larger shape (the largest, where it may pay) runs now and then (fresh statistics for every shape below it),
@@ -89,7 +94,8 @@ SPECULATION_MARGIN = 1.1
 # adaptive server) its D3 S1 rounds 4 % ahead, the server 4 % behind. A tree less than about 8 % ahead by the rounds
 # loses by the wall clock from batch 16 on (at 1.04 from batch 32 the policy kept such trees at ShareGPT batch 16:
 # 0.89 of the best server, the sweep at d158622). Measured later with fixed trees at ShareGPT batch 16, the gap is
-# 12 % for D2 S1 and 25 % for D4 S2: it grows with the tree, which one edge for all trees cannot follow (RESULTS.md).
+# 12 % for D2 S1 and 25 % for D4 S2: it grows with the tree, which one edge for all trees cannot follow; that part
+# is the lockstep charge's (``lockstep``), and the band stays for the noise of the rounds (RESULTS.md).
 STAY_MARGIN = 1.08
 STAY_MARGIN_BATCH = 16
 # Exploration covers the shapes whose rate is within this factor of the best: acceptance this much above the
@@ -104,6 +110,7 @@ CHANCE_EVERY = 8  # steps between two evaluations of that chance for exploration
 EXPLORE_IDLE = 8  # without that chance, exploration runs at 1 / EXPLORE_IDLE of its share
 BASELINE_RETRY = 8  # steps between two tries at the baseline's first observation at a batch size
 PROBE_EVERY = 32  # steps between two neighbour probes (chosen with benchmark/adaptive_policy_sim.py)
+LOCKSTEP_EVERY = 4  # steps between two evaluations of the lockstep charge at one batch size
 # The step-time correction tracked per batch size (``TimeFit``), in log(served / modelled) step time. As (standard
 # deviation at first, drift per served step): the level (how far off the model is overall), the shared terms (what
 # it gets wrong about speculating, verifying, drafting) and each shape's own term. The machine's passing speed is
@@ -168,17 +175,23 @@ def counterfactual_accepts(tree: DraftTree, accepted_nodes: torch.Tensor, accept
 
 
 class AcceptanceStats:
-    """Decayed means of ``counterfactual_accepts`` per shape (only shapes at or below a run shape are updated)."""
+    """Decayed means of ``counterfactual_accepts`` per shape (only shapes at or below a run shape are updated), and
+    of their squares: the spread of a request's tokens per round decides how far apart requests drift
+    (``lockstep``)."""
 
     def __init__(self, max_tokens: int, max_steps: int):
         self.sum = torch.zeros(max_steps + 1, max_tokens + 1)
+        self.squares = torch.zeros(max_steps + 1, max_tokens + 1)
         self.weight = torch.zeros(max_steps + 1, max_tokens + 1)
 
     def update(self, accepts: torch.Tensor, ran: tuple[int, int], decay: float = STATS_DECAY) -> None:
         d, s = ran
         self.sum *= decay
+        self.squares *= decay
         self.weight *= decay
-        self.sum[: s + 1, : d + 1] += accepts[:, : s + 1, : d + 1].sum(0).cpu()
+        kept = accepts[:, : s + 1, : d + 1]
+        self.sum[: s + 1, : d + 1] += kept.sum(0).cpu()
+        self.squares[: s + 1, : d + 1] += kept.square().sum(0).cpu()
         self.weight[: s + 1, : d + 1] += accepts.shape[0]
 
     def expected(self, shape: tuple[int, int]) -> float | None:
@@ -195,6 +208,12 @@ class AcceptanceStats:
         table = [[m if w > 0 else None for m, w in zip(row, wrow)] for row, wrow in zip(means, weights)]
         table[NO_SPECULATION[1]][NO_SPECULATION[0]] = 1.0
         return table
+
+    def spread_table(self) -> list[list[float]]:
+        """The standard deviation of a request's tokens per round, per shape, indexed ``[s][d]`` (0 where unseen;
+        over requests and steps alike: a request that accepts more than the others drifts ahead too)."""
+        w = self.weight.clamp(min=1e-30)
+        return (self.squares / w - (self.sum / w).square()).clamp(min=0).sqrt().tolist()
 
 
 @dataclass
@@ -394,6 +413,8 @@ class AdaptivePolicy:
         self.speculating: dict[int, bool] = {}  # per batch size: whether the policy's last own choice speculated
         self.baseline_tried: dict[int, int] = {}  # per batch size: the step of the last choice of no speculation
         self._chance_at: tuple[int, int, float] = (-10 ** 9, 0, 1.0)  # (step, batch size, ``_chance_to_pay``)
+        # (step, batch size, {tree: seconds}): the lockstep charges of the last evaluation (``_charge_lockstep``).
+        self._lockstep_at: tuple[int, int, dict[tuple[int, int], float]] = (-10 ** 9, 0, {})
 
     def choose(self, batch: int, remaining: list[int] | None = None) -> tuple[int, int]:
         """The shape for this step (on the deciding rank); ``remaining``: each request's tokens still to emit (its
@@ -498,6 +519,8 @@ class AdaptivePolicy:
             accepted, seconds = expected[shape[1]][shape[0]], self.times.predict(batch, shape)
             if accepted is not None and seconds is not None and seconds > 0:
                 rates[shape] = (emitted(accepted) / seconds, seconds)
+        if remaining and batch > 1:
+            self._charge_lockstep(batch, remaining, rates, expected)
         trees = [s for s in rates if s != NO_SPECULATION]
         if not trees:
             return (NO_SPECULATION, rates[NO_SPECULATION][1]) if NO_SPECULATION in rates else (self.largest, None)
@@ -515,6 +538,25 @@ class AdaptivePolicy:
                 tree = alt if alt is not None and pays(alt) else NO_SPECULATION
         self.speculating[batch] = tree != NO_SPECULATION
         return tree, rates[tree][1]
+
+    def _charge_lockstep(self, batch: int, remaining: list[int], rates: dict, expected: list) -> None:
+        """Each tree's rate over the batch's remaining tokens, with the rounds by which its spread of tokens per
+        round makes the batch's last request outlast the others (``lockstep``), each at a batch-of-one round's
+        predicted time: ``tokens / (tokens / rate + overrun x T(1, tree))``. Evaluated every ``LOCKSTEP_EVERY``
+        steps at one batch size (0.1-1.4 ms at batch 64 on the CPU), the tokens left every step."""
+        trees = [shape for shape in rates if shape != NO_SPECULATION]
+        at, at_batch, charges = self._lockstep_at
+        if self.steps - at >= LOCKSTEP_EVERY or at_batch != batch or not all(t in charges for t in trees):
+            spread = self.stats.spread_table()
+            rounds = lockstep.overrun_rounds(remaining, [expected[s][d] for d, s in trees],
+                                             [spread[s][d] for d, s in trees])
+            charges = {t: n * (self.times.predict(1, t) or 0.0) for t, n in zip(trees, rounds)}
+            self._lockstep_at = (self.steps, batch, charges)
+        tokens = float(sum(max(r, 1) for r in remaining))
+        for t in trees:
+            rate, seconds = rates[t]
+            if charges[t] > 0:
+                rates[t] = (tokens / (tokens / rate + charges[t]), seconds)
 
     def _baseline_due(self, batch: int) -> bool:
         """Whether this step should run without speculation to measure the baseline at this batch size: a
