@@ -79,7 +79,7 @@ TREE = (4, 2)
 def _policy() -> AdaptivePolicy:
     """No speculation against one tree: per request and round the tree emits 2.0 tokens (sd 0.9) in 1.74 times
     a plain step, 15 % ahead by the rounds (past the 1.1 it takes to start speculating); a batch-of-one round
-    costs 0.8 of a batch-16 round. In lockstep at 64 tokens the charge takes 10 % off the tree's rate."""
+    costs 0.8 of a batch-16 round. In lockstep at 64 tokens the charge takes 15 % off the tree's rate."""
     step_ms = {NO_SPECULATION: 20.0, TREE: 34.8}
     policy = AdaptivePolicy(4, 3, 2, StepTimes())
     policy.menu = [NO_SPECULATION, TREE]
@@ -99,6 +99,6 @@ def test_in_lockstep_a_tree_that_spreads_the_batch_loses_to_no_speculation(charg
     assert policy.stats.spread_table()[2][4] == pytest.approx(0.9)
     in_lockstep = policy._decide(16, [64] * 16)[0]
     assert in_lockstep == (NO_SPECULATION if charged else TREE)
-    assert policy._decide(16, [64 + 16 * i for i in range(16)])[0] == TREE  # budgets spread apart: nothing to lose
+    assert policy._decide(16, [64 * (i + 1) for i in range(16)])[0] == TREE  # budgets far apart: nothing to lose
     assert policy._decide(1, [64])[0] == TREE
     assert policy._decide(16, None)[0] == TREE  # budgets unknown: no charge

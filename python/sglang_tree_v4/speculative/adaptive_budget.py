@@ -457,6 +457,17 @@ class AdaptivePolicy:
         self.stats.update(accepts, ran, decay=STATS_DECAY ** self.since_stats)
         self.since_stats = 0
 
+    def describe(self, trees: int = 4) -> str:
+        """The last decision's rates, for the server's debug log: no speculation and the best ``trees`` trees, in
+        output tokens per ms (lockstep charge included), with each tree's charge in ms where it has one."""
+        rates, charges = self._rates, self._lockstep_at[2]
+        means, spreads = self.stats.table(), self.stats.spread_table()
+        best = sorted((s for s in rates if s != NO_SPECULATION), key=lambda s: -rates[s][0])[:trees]
+        parts = [f"none {rates[NO_SPECULATION][0] / 1e3:.3f}"] if NO_SPECULATION in rates else []
+        parts += [f"D{d}S{s} {rates[(d, s)][0] / 1e3:.3f} (tokens {means[s][d]:.2f} +- {spreads[s][d]:.2f}"
+                  + (f", charge {1e3 * charges[(d, s)]:.0f} ms)" if charges.get((d, s)) else ")") for d, s in best]
+        return ", ".join(parts)
+
     def _may_explore(self, batch: int, best: tuple[int, int], overdue: bool) -> bool:
         """Whether an exploration that is due runs: always while speculating; from "no speculation" only while some
         tree has ``PROBE_CHANCE`` of paying (``_chance_to_pay``, re-evaluated every ``CHANCE_EVERY`` steps), or once
@@ -541,16 +552,22 @@ class AdaptivePolicy:
 
     def _charge_lockstep(self, batch: int, remaining: list[int], rates: dict, expected: list) -> None:
         """Each tree's rate over the batch's remaining tokens, with the rounds by which its spread of tokens per
-        round makes the batch's last request outlast the others (``lockstep``), each at a batch-of-one round's
-        predicted time: ``tokens / (tokens / rate + overrun x T(1, tree))``. Evaluated every ``LOCKSTEP_EVERY``
-        steps at one batch size (0.1-1.4 ms at batch 64 on the CPU), the tokens left every step."""
+        round makes the batch's last request outlast the others (``lockstep``): ``tokens / (tokens / rate +
+        overrun x (T(1, tree) + T(1, none)))``. Each such round is a part-full round (about a batch of one's time)
+        and, where requests wait, a prefill round of its own for the successor of a request that finished early
+        (about a plain batch-of-one round). With the first term alone the charge at a wave's start was 4-7 % at
+        ShareGPT batch 16 (from the server's debug log: D3 S1 1.73 +- 0.44 tokens per round, D3 S2 2.00 +- 0.85),
+        under half the 12-25 % by which the rounds had flattered D2 S1 and D4 S2 there against the wall clock.
+        Evaluated every ``LOCKSTEP_EVERY`` steps at one batch size (0.1-1.4 ms at batch 64 on the CPU), the tokens
+        left every step."""
         trees = [shape for shape in rates if shape != NO_SPECULATION]
         at, at_batch, charges = self._lockstep_at
         if self.steps - at >= LOCKSTEP_EVERY or at_batch != batch or not all(t in charges for t in trees):
             spread = self.stats.spread_table()
             rounds = lockstep.overrun_rounds(remaining, [expected[s][d] for d, s in trees],
                                              [spread[s][d] for d, s in trees])
-            charges = {t: n * (self.times.predict(1, t) or 0.0) for t, n in zip(trees, rounds)}
+            plain = self.times.predict(1, NO_SPECULATION) or 0.0
+            charges = {t: n * ((self.times.predict(1, t) or 0.0) + plain) for t, n in zip(trees, rounds)}
             self._lockstep_at = (self.steps, batch, charges)
         tokens = float(sum(max(r, 1) for r in remaining))
         for t in trees:

@@ -6,11 +6,13 @@ together with the same budget finish in the same round, and the next ones are pr
 ``r`` tokens are about ``(r + rho * sqrt(r) * Z) / mu`` with ``rho = sigma / sqrt(mu)`` and ``Z`` standard normal
 (the renewal approximation). The batch is done when its last request is: ``E[max_i]`` of those, which for ``B``
 requests in lockstep exceeds ``r / mu`` by ``E[max of B standard normals] * rho * sqrt(r) / mu`` rounds (1.03 at
-``B`` = 4, 1.77 at 16). In those rounds only the last requests run (or the finished ones' successors are prefilled
-one by one), each at about a batch-of-one round's time. Measured on the CPU (``benchmark/round_accounting.py``,
-RESULTS.md), the rounds a server observes flatter speculation against the wall clock by 11-12 % at batch 4 and
-12-25 % at batch 16, more for larger trees. The charge here reproduces those sizes: averaged over a wave of 64
-tokens, ``1 / sqrt(r)`` is twice its value at the wave's start.
+``B`` = 4, 1.77 at 16). In those rounds only the last requests run, each at about a batch-of-one round's time,
+and where requests wait, the successors of those that finished early are prefilled in rounds of their own.
+Measured on the CPU (``benchmark/round_accounting.py``, RESULTS.md), the rounds a server observes flatter
+speculation against the wall clock by 11-12 % at batch 4 and 12-25 % at batch 16, more for larger trees. The
+charge is of that size: at a wave's start (64 tokens left) 8-15 % for D3 S1 to D4 S2 at batch 16 with the spreads
+the server measured there, and larger as the wave goes on while its requests stay together (it grows as
+``1 / sqrt(r)``, whose mean over a wave is twice its start value).
 
 The charge is forward-looking and read from the batch as it is: requests whose tokens left are already spread
 apart (different budgets, different arrival times) have no lockstep to lose, the largest of them dominates the
