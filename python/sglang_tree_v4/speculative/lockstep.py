@@ -10,7 +10,7 @@ requests in lockstep exceeds ``r / mu`` by ``E[max of B standard normals] * rho 
 and where requests wait, the successors of those that finished early are prefilled in rounds of their own.
 Measured on the CPU (``benchmark/round_accounting.py``, RESULTS.md), the rounds a server observes flatter
 speculation against the wall clock by 11-12 % at batch 4 and 12-25 % at batch 16, more for larger trees. The
-charge is of that size: at a wave's start (64 tokens left) 8-15 % for D3 S1 to D4 S2 at batch 16 with the spreads
+charge is of that size: at a wave's start (64 tokens left) 8-15 % for D3 S1 to D3 S2 at batch 16 with the spreads
 the server measured there, and larger as the wave goes on while its requests stay together (it grows as
 ``1 / sqrt(r)``, whose mean over a wave is twice its start value).
 
