@@ -102,3 +102,16 @@ def test_in_lockstep_a_tree_that_spreads_the_batch_loses_to_no_speculation(charg
     assert policy._decide(16, [64 * (i + 1) for i in range(16)])[0] == TREE  # budgets far apart: nothing to lose
     assert policy._decide(1, [64])[0] == TREE
     assert policy._decide(16, None)[0] == TREE  # budgets unknown: no charge
+
+
+@pytest.mark.parametrize("remaining,want", [
+    ([40] * 16, True),  # a wave that started together
+    ([40] * 13 + [41, 38, 37], True),  # ... with a few of its requests a round or two ahead
+    ([3, 4], True),
+    (list(range(30, 46)), False),  # requests that finish one per round
+    ([40] * 7 + list(range(10, 19)), False),  # under half in step
+    ([5], False),  # one request has no batch to keep in step
+    ([3, 9], False),
+])
+def test_a_batch_is_together_where_most_of_it_finishes_within_a_round(remaining, want):
+    assert lockstep.together(remaining) is want

@@ -30,8 +30,10 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   the largest shape at small batches, a small tree where every tree is far behind no speculation (on the CPU at
   batch 64 the largest shape's runs, 1 % of the steps, had cost 1.3 ms per step, 3.5 %, to refresh statistics of
   trees that could not pay there). From "no speculation" it runs, like the probes below, only while some tree
-  has ``PROBE_CHANCE`` of paying, and otherwise at 1 / ``EXPLORE_IDLE`` of its share (``_may_explore``). The
-  statistics are gathered from every ``STATS_EVERY``-th step (and every exploring run): a sample of the steps
+  has ``PROBE_CHANCE`` of paying, and otherwise at 1 / ``EXPLORE_IDLE`` of its share (``_may_explore``);
+  and, like the probes, not while the batch decodes in step (most of its requests' tokens left within one of each
+  other, ``lockstep.together``): one speculative round there lets some requests finish early while the batch
+  still waits for its last, so the run waits until they drift apart of their own accord. The statistics are gathered from every ``STATS_EVERY``-th step (and every exploring run): a sample of the steps
   says as much about acceptance as all of them, at a quarter of the bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again once that observation is ``EXPLORE_SHARE``
@@ -430,12 +432,14 @@ class AdaptivePolicy:
         self.since_probe += 1
         self.exploring = False
         share = explore_s / best_s if explore_s and best_s else None
-        if best != explore and share and self.since_explore >= EXPLORE_SHARE * share and self._may_explore(
-                batch, best, self.since_explore >= EXPLORE_SHARE * EXPLORE_IDLE * share):
+        # A batch decoding in step without speculation defers its exploration and probe until it drifts apart.
+        free = best != NO_SPECULATION or not lockstep.together(remaining)
+        if best != explore and share and self.since_explore >= EXPLORE_SHARE * share and free and \
+                self._may_explore(batch, best, self.since_explore >= EXPLORE_SHARE * EXPLORE_IDLE * share):
             best, self.exploring = explore, True
         elif best != NO_SPECULATION and self._baseline_due(batch):
             best = NO_SPECULATION
-        elif self.since_probe >= PROBE_EVERY:
+        elif self.since_probe >= PROBE_EVERY and free:
             if best != NO_SPECULATION or self._chance_to_pay(batch) >= PROBE_CHANCE:
                 best = self._stalest_neighbour(batch, best) or best
             self.since_probe = 0
