@@ -33,8 +33,9 @@ model made look cheap at batch 16-32, 0.83-0.89 of the best server there).
   has ``PROBE_CHANCE`` of paying, and otherwise at 1 / ``EXPLORE_IDLE`` of its share (``_may_explore``);
   and, like the probes, not while the batch decodes in step (most of its requests' tokens left within one of each
   other, ``lockstep.together``): one speculative round there lets some requests finish early while the batch
-  still waits for its last, so the run waits until they drift apart of their own accord. The statistics are gathered from every ``STATS_EVERY``-th step (and every exploring run): a sample of the steps
-  says as much about acceptance as all of them, at a quarter of the bookkeeping.
+  still waits for its last, so the run waits until they drift apart of their own accord. The statistics are
+  gathered from every ``STATS_EVERY``-th step (and every exploring run): a sample of the steps says as much about
+  acceptance as all of them, at a quarter of the bookkeeping.
 * The baseline is measured, not only modelled: once a speculative shape has been observed at a batch size, one
   step without speculation runs there too if none has been (and again once that observation is ``EXPLORE_SHARE``
   steps old: the age of the baseline's observation at this batch size, see ``_baseline_due``), so the comparison
