@@ -135,6 +135,20 @@ def test_a_cache_file_of_the_old_layout_is_measured_again(tmp_path):
     assert read_cache(str(new)).verify_time(1, 1) == pytest.approx(0.01)
 
 
+def test_startup_times_are_made_non_decreasing_by_pooling_the_points_that_fall():
+    """``step_timer.monotone``: a run of points that falls is replaced by its mean (the least-squares
+    non-decreasing fit), points already in order are kept. Input: a startup measurement of verification at batch
+    1 on the CPU (ms, D = 1..8) whose D = 4-6 were timed in a slow stretch."""
+    from sglang_tree_v4.speculative.step_timer import monotone
+    measured = [8.1, 8.6, 9.1, 14.2, 12.9, 12.6, 14.0, 15.7]
+    fitted = monotone(measured)
+    assert fitted != measured and all(a <= b for a, b in zip(fitted, fitted[1:]))
+    assert fitted[:3] == measured[:3] and fitted[4] == pytest.approx((14.2 + 12.9 + 12.6) / 3)
+    assert sum(fitted) == pytest.approx(sum(measured))
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert monotone([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0] and monotone([]) == []
+
+
 def _policy(draft_s: float, verify_per_token: float, accepted: float) -> AdaptivePolicy:
     times = StepTimes({s: Curve({1: draft_s * s, 64: draft_s * s * 4}) for s in range(1, 5)},
                       {d: Curve({b: 0.01 + verify_per_token * b * d for b in (1, 8, 64)}) for d in range(1, 9)},

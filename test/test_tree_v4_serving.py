@@ -147,7 +147,8 @@ def test_shape_counters_in_server_info(servers, greedy_outputs):
 
 def test_step_times_measured_once_then_read_from_the_cache(servers):
     """The default server measured its step-time model at startup (the seconds it took are in its log and printed
-    here), wrote it to the cache folder, and the cycling server (same model, device and TP) read it from there."""
+    here), wrote it to the cache folder (verification non-decreasing in D at every batch size), and the cycling
+    server (same model, device and TP) read it from there."""
     import re
     measured = re.findall(r"TREE_V4 adaptive budget: step times measured in ([0-9.]+) s \((.*)\)",
                           servers["adaptive"].log.read_text())
@@ -156,6 +157,9 @@ def test_step_times_measured_once_then_read_from_the_cache(servers):
     assert Path(measured[0][1]).is_file()
     verify = json.loads(Path(measured[0][1]).read_text())["times"]["verify"]  # per D, over the batch size
     assert sorted(int(d) for d in verify) == verify_widths(8) and all(len(c) >= 2 for c in verify.values()), verify
+    for b in verify["1"]:  # at every batch size, more verified tokens never cost less (``step_timer.monotone``)
+        by_width = [verify[str(d)][b] for d in verify_widths(8)]
+        assert by_width == sorted(by_width), (b, by_width)
     read = re.findall(r"TREE_V4 adaptive budget: step times read in [0-9.]+ s \((.*)\)",
                       servers["cycling"].log.read_text())
     assert read == [measured[0][1]]

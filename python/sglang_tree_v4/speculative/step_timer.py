@@ -8,7 +8,13 @@ The state is zeros, which costs the same as real state. Every point is timed onc
 passes over the whole grid, and keeps its fastest: a stretch of contention (on the CPU, other servers starting
 next to this one) lasts seconds, so repeats taken back to back share it, while passes seconds apart mostly do
 not. (Measured: a startup next to four other starting servers, two back-to-back repeats, timed one draft depth
-at 5x its neighbours.) The result is the model that ``adaptive_budget.StepTimes`` corrects with served steps.
+at 5x its neighbours.) At each batch size the times are then made non-decreasing in D and in S (``monotone``):
+more verified tokens or more draft steps never cost less, so a point above a larger one is noise. Both steps
+matter for the choice among trees, which turns on a few percent: with 3 passes and no such fit, three
+measurements in one CPU process put D=4 at batch 1 at 14.2, 11.0 and 11.3 ms and D=8 at 15.7, 11.9 and 11.3 ms,
+and a server's startup timed D=4 at 15.8 ms against 12.6 for D=8 -- that server then ran D=7-8 trees, whose
+verification it took for the cheaper; with 10 passes the three measurements agreed within 3 % (D=4 9.8-10.1, D=8
+10.2-10.6 ms). The result is the model that ``adaptive_budget.StepTimes`` corrects with served steps.
 It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME`` honoured), keyed by the
 checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the kind of verify step
 (eager or fixed-shape, which cost differently), and read back on the next start instead of measuring again.
@@ -32,8 +38,10 @@ from .mtp_drafter import MTPTreeDrafter, catch_up
 
 BATCHES = (1, 4, 16, 64)
 CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
-PASSES = 3
-CACHE_LAYOUT = 2  # part of the cache key: 2 = verification per verified tokens per request, over the batch size
+PASSES = 10
+# Part of the cache key: 2 = verification per verified tokens per request, over the batch size; 3 = 10 passes and
+# times non-decreasing in D and S (a cache of an earlier layout is measured again).
+CACHE_LAYOUT = 3
 
 
 def cache_path(model_path: str, device: torch.device, tp: int, dtype: torch.dtype, limits: tuple) -> str:
@@ -112,10 +120,23 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
                 tokens = tree.tokens[:, :d] if d > 1 else roots[:, None]
                 timed(("verify", bs, d), lambda: verify_forward(model, store, table, prefix, tokens, d))
     for bs in batches:
-        for s in range(1, max_steps + 1):
-            times.draft.setdefault(s, Curve()).add(bs, fastest[("draft", s, bs)])
-        for d in verify_sizes:
-            times.verify.setdefault(d, Curve()).add(bs, fastest[("verify", bs, d)])
+        steps = list(range(1, max_steps + 1))
+        for s, seconds in zip(steps, monotone([fastest[("draft", s, bs)] for s in steps])):
+            times.draft.setdefault(s, Curve()).add(bs, seconds)
+        for d, seconds in zip(verify_sizes, monotone([fastest[("verify", bs, d)] for d in verify_sizes])):
+            times.verify.setdefault(d, Curve()).add(bs, seconds)
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators: a run of
+    points that decreases is replaced by its mean), for times over a size that cannot cost less when it grows."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
 
 
 def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, d: int):
