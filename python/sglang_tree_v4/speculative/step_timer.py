@@ -119,8 +119,8 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
             for d in verify_sizes:
                 tokens = tree.tokens[:, :d] if d > 1 else roots[:, None]
                 timed(("verify", bs, d), lambda: verify_forward(model, store, table, prefix, tokens, d))
+    steps = list(range(1, max_steps + 1))
     for bs in batches:
-        steps = list(range(1, max_steps + 1))
         for s, seconds in zip(steps, monotone([fastest[("draft", s, bs)] for s in steps])):
             times.draft.setdefault(s, Curve()).add(bs, seconds)
         for d, seconds in zip(verify_sizes, monotone([fastest[("verify", bs, d)] for d in verify_sizes])):
