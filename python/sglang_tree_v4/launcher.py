@@ -26,22 +26,28 @@ _SGLANG_VARS = ("SGLANG_USE_CPU_ENGINE", "LD_LIBRARY_PATH")
 # Ports handed to servers: below the kernel's ephemeral range (which outgoing connections draw from, so a port picked
 # there can be taken before the server binds it) and above the range SGLang picks its own later-bound ports from.
 SERVER_PORTS = range(30000, 32768)
+# Ports this process has handed out. Servers started side by side pick their ports before any of them binds, so a
+# port that is free when it is picked may already be promised to another server. One test run started six servers
+# at once, and two of them were given the same port; the second failed with "address already in use".
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port that is free now and that no outgoing connection will take before the server binds it."""
+    """A port that is free now, that no outgoing connection will take before the server binds it, and that this
+    process has not handed out before."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
-    ports = [p for p in SERVER_PORTS if p < ephemeral_low]
+    ports = [p for p in SERVER_PORTS if p < ephemeral_low and p not in _handed_out]
     for port in random.sample(ports, min(64, len(ports))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # the whole range busy: any free port
         s.bind(("127.0.0.1", 0))
