@@ -246,6 +246,8 @@ def score_against_target(model, prompt_ids: list[int], setting: dict, samples: l
         logits = torch.cat([o.logits for o in outs])
         params = SamplingParams.uniform(logits.shape[0], setting.get("temperature", 1.0), setting.get("top_k", -1),
                                         setting.get("top_p", 1.0), setting.get("min_p", 0.0))
+        if any(k in setting for k in PENALTY_KEYS):
+            logits = apply_penalties(logits, [s[:j] for s in part for j in range(1, m)], setting)
         p = target_probs(logits, params).double()
         sampled = torch.tensor([s[1:] for s in part]).reshape(-1)
         top = p.topk(3, dim=-1)
@@ -256,6 +258,23 @@ def score_against_target(model, prompt_ids: list[int], setting: dict, samples: l
         for rid in rids:
             runner.release(rid)
     return ({k: torch.cat(v) for k, v in hits.items()}, {k: torch.cat(v) for k, v in probs_of.items()})
+
+
+PENALTY_KEYS = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def apply_penalties(logits: torch.Tensor, outputs: list[list[int]], setting: dict) -> torch.Tensor:
+    """``logits [N, V]`` of rows whose outputs so far are ``outputs``, with the setting's penalties applied as
+    SGLang's sampler applies them (``tree.path_logits`` with the committed output alone)."""
+    from sglang_tree_v4.tree.path_logits import PenaltyState, process_path_logits
+
+    n, vocab = logits.shape
+    state = PenaltyState.from_outputs(
+        outputs, vocab, frequency=[setting.get("frequency_penalty", 0.0)] * n,
+        presence=[setting.get("presence_penalty", 0.0)] * n, repetition=[setting.get("repetition_penalty", 1.0)] * n,
+        min_new_tokens=[0] * n, stop_tokens=[set()] * n)
+    empty = torch.zeros(n, 1, 0, dtype=torch.long)
+    return process_path_logits(logits.float().clone()[:, None, :], empty, empty.bool(), state)[:, 0]
 
 
 def assert_follows_target(stats: SampledStats) -> None:

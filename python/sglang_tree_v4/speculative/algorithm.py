@@ -16,6 +16,7 @@ from ..dsv4.sglang_pool import TREE_V4
 NAME = TREE_V4
 SERVER_INFO_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
                       "SchedulerInternalStateController._add_speculative")
+REQUEST_CHECK_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
 class TreeV4Algorithm(CustomSpecAlgo):
@@ -60,6 +61,13 @@ def add_shape_counters(result, controller, state: dict) -> None:
         state["tree_v4_adaptive"] = ACTIVE[0].policy is not None
 
 
+def _check_request(manager, obj, *args, **kwargs):
+    """Requests TREE_V4 cannot serve exactly get a 400 naming the field (``sampling_rules.refusal``)."""
+    from .sampling_rules import check_request
+
+    return check_request(manager, obj, *args, **kwargs)
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -68,6 +76,7 @@ def register() -> None:
     if NAME in _REGISTRY:
         return
     HookRegistry.register(SERVER_INFO_TARGET, add_shape_counters, HookType.AFTER)
+    HookRegistry.register(REQUEST_CHECK_TARGET, _check_request, HookType.BEFORE)
 
     @SpeculativeAlgorithm.register(NAME, supports_overlap=True, spec_class=TreeV4Algorithm)
     def _worker_class(server_args):

@@ -132,6 +132,10 @@ def handle_server_args(server_args) -> None:
 
     raw = validate_model(server_args.model_path)
     draft_score_temperature(raw)
+    if getattr(server_args, "enable_watermark", False):
+        raise ValueError("--enable-watermark is not supported with --speculative-algorithm TREE_V4: the watermark "
+                         "biases each sampled token by its context, which the tree's verification does not "
+                         "reproduce")
     server_args.page_size = check_page_size(DSV4Config.from_dict(raw), server_args.page_size)
     flags = (server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
              server_args.speculative_num_steps)

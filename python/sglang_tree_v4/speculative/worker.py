@@ -51,6 +51,7 @@ from ..dsv4.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
 from . import step_timer
 from .adaptive_budget import NO_SPECULATION, AdaptivePolicy
+from .sampling_rules import SamplingRules
 from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
                           deferred_start, mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
@@ -225,7 +226,7 @@ class TreeV4Worker(BaseSpecWorker):
         catch_up_prefill(model, mtp_store, streams, req_table, chunks, spans, own, tokens)
 
     # --- decode: draft, verify, accept, commit --------------------------------------------------------------
-    def _draft(self, batch, D: int, S: int) -> DraftTree:
+    def _draft(self, batch, D: int, S: int, pending: list[list[int]], rules: SamplingRules | None) -> DraftTree:
         model = self.adapter.model
         _, mtp_store, streams = self.adapter.stores()
         K = self.budget.topk
@@ -248,8 +249,8 @@ class TreeV4Worker(BaseSpecWorker):
         # last D positions; after a prefill, and on a CPU, only the missing positions run.
         fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
-        for req, L, start, pending in zip(batch.reqs, lens, starts, self._pending_tokens(batch, lens)):
-            output = _Output(req.output_ids, pending)
+        for req, L, start, waiting in zip(batch.reqs, lens, starts, pending):
+            output = _Output(req.output_ids, waiting)
             next_tokens.append(_tokens_between(req.origin_input_ids, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
@@ -264,7 +265,8 @@ class TreeV4Worker(BaseSpecWorker):
         prefix = batch.seq_lens.long()
         drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, K, self.budget.steps)
         return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
-                                root_draft=root_draft, score_temperature=self._score_temperatures(batch))
+                                root_draft=root_draft, score_temperature=self._score_temperatures(batch),
+                                logits_hook=None if rules is None else rules.draft_hook)
 
     @staticmethod
     def _pending_tokens(batch, lens: list[int]) -> list[list[int]]:
@@ -289,9 +291,14 @@ class TreeV4Worker(BaseSpecWorker):
                 out.append([])
             elif have + k == L + 1:
                 out.append(row[:k])
+            elif req.finished() and 0 < L + 1 - have <= k:
+                # Finished while this round was being scheduled, its last run cut short (a grammar that terminated
+                # inside it): the round's output is dropped, only the shapes must hold.
+                out.append(row[:L + 1 - have])
             else:
                 raise RuntimeError(f"TREE_V4: request {req.rid} has {have} tokens (+{k} from the previous round) "
-                                   f"for a committed length of {L}")
+                                   f"for a committed length of {L} (finished: {req.finished()}, "
+                                   f"retracted: {req.is_retracted}, finish reason: {req.finished_reason})")
         return out
 
     def _score_temperatures(self, batch) -> float | torch.Tensor:
@@ -354,20 +361,24 @@ class TreeV4Worker(BaseSpecWorker):
         start = time.perf_counter()
         bs, D_max = len(batch.reqs), self.budget.draft_tokens
         D, S = self._shape(batch)
+        pending = self._pending_tokens(batch, batch.seq_lens.tolist())
+        rules = SamplingRules.build(batch, pending, self.adapter.model.cfg.vocab_size)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
-            pending = self._pending_tokens(batch, batch.seq_lens.tolist())
             roots = torch.tensor([p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending)],
                                  device=self.device)
             tree = DraftTree.roots_only(roots)
         else:
-            tree = self._draft(batch, D, S)
+            tree = self._draft(batch, D, S, pending, rules)
         D = tree.width
         drafted = time.perf_counter()
         self._verify_input(batch, tree)
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         verified = time.perf_counter()
         logits_output = result.logits_output
-        verdict = self._accept(batch, tree, logits_output.next_token_logits.view(bs, D, -1))
+        logits = logits_output.next_token_logits.view(bs, D, -1)
+        if rules is not None:  # penalties, min_new_tokens, grammar, logit_bias: each node after its own path
+            rules.verify(logits, tree)
+        verdict = self._accept(batch, tree, logits)
         verdict = broadcast_verdict(verdict, self.tp_group)
 
         flat_offset = torch.arange(bs, device=self.device)[:, None] * D

@@ -18,6 +18,8 @@ for scoring only: the drafted tokens, the verification and therefore the output 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .draft_tree import DraftTree
@@ -34,6 +36,7 @@ def build_draft_tree(
     root_parent_hidden: torch.Tensor | None = None,
     root_draft: tuple[torch.Tensor, torch.Tensor] | None = None,
     score_temperature: float | torch.Tensor = 1.0,
+    logits_hook: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> DraftTree:
     """Drafts and reranks one tree per request.
 
@@ -50,6 +53,9 @@ def build_draft_tree(
         score_temperature: T > 0 applied to the draft logits before the log-softmax that scores nodes (1: EAGLE-2's
             raw draft confidence); a float (checked) or a tensor, ``[B]`` per request (not checked: that would read
             it back to the host).
+        logits_hook: ``hook(logits [B, n, V], paths [B, n, s]) -> logits`` applied to every draft step's logits
+            before children are chosen, ``paths`` holding the fed nodes' tokens below the root (e.g. the request's
+            penalties and grammar along each path, so that drafts are tokens the target can accept).
 
     Returns:
         The reranked :class:`DraftTree`, nodes in creation order (topological; siblings best first).
@@ -92,6 +98,7 @@ def build_draft_tree(
     frontier_slots = torch.zeros(batch, 1, dtype=torch.long, device=device)
     frontier_anc = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
     frontier_score = torch.zeros(batch, 1, device=device)
+    frontier_paths = torch.zeros(batch, 1, 0, dtype=torch.long, device=device)
 
     # Candidate pool, root at index 0, then each step's children in (parent, rank) order.
     pool_tokens = [root_tokens.long()[:, None]]
@@ -115,6 +122,8 @@ def build_draft_tree(
                 )
             )
         fed = logits.shape[1]
+        if logits_hook is not None:
+            logits = logits_hook(logits, frontier_paths)
         row_temperature = None if temperature is None else temperature[:, None].expand(batch, fed)
         logprobs, top_tokens = top_children(logits, topk, row_temperature)
         scores = (frontier_score[:, :, None] + logprobs).flatten(1)
@@ -142,6 +151,7 @@ def build_draft_tree(
         own[:, torch.arange(topk), torch.arange(topk)] = True
         frontier_anc = torch.cat([parent_anc, own], dim=-1)
         frontier_parent_hidden = hidden[batch_idx, parent_local]
+        frontier_paths = torch.cat([frontier_paths[batch_idx, parent_local], frontier_tokens[:, :, None]], dim=-1)
 
     return _rerank(
         torch.cat(pool_tokens, 1),
