@@ -80,7 +80,7 @@ def _tree(seed: int) -> DraftTree:
     gen = torch.Generator().manual_seed(seed)
     width = 9
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, width)]
-    tokens = torch.randint(0, VOCAB - 1, (2, width), generator=gen)
+    tokens = torch.randint(0, VOCAB, (2, width), generator=gen)
     return DraftTree.from_parents(tokens, torch.tensor([parents, parents]))
 
 
@@ -99,17 +99,23 @@ def _want(history: list[int], path: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("kind", [ToyGrammar, StateOnlyGrammar])
 @pytest.mark.parametrize("seed", range(5))
 def test_each_node_masked_after_its_path(kind, seed):
+    _check_tree(kind, seed)
+
+
+def _check_tree(kind, seed: int) -> int:
+    """Checks every node's mask and terminal mark; returns how many nodes terminate the grammar."""
     tree = _tree(seed)
-    committed = [[1, 3, 4], [2]]
+    committed = [[1, 3, 4, 1, 1], [2]]
     pending = [[], [5, 3]]
     grammars = [kind(committed[0]), kind(committed[1])]
     rows = [(b, grammars[b], pending[b]) for b in range(2)]
     paths, valid = tree_paths(tree.tokens, tree.ancestor_mask(), tree.depths)
     logits = torch.zeros(2 * tree.width, VOCAB)
-    GrammarPaths(rows, VOCAB).mask_fn(paths, valid)(logits)
+    walk = GrammarPaths(rows, VOCAB)
+    walk.mask_fn(paths, valid)(logits)
     got = torch.isfinite(logits).view(2, tree.width, VOCAB)
     node_path = tree.path_nodes(tree.width - 1)
-    reached = 0
+    reached = terminal = 0
     for b in range(2):
         assert grammars[b].history == committed[b]  # everything rolled back
         for i in range(tree.width):
@@ -117,7 +123,12 @@ def test_each_node_masked_after_its_path(kind, seed):
             want = _want(committed[b] + pending[b], path)
             assert torch.equal(got[b, i], want), (b, i, path)
             reached += not bool(want.all())
+            before = _want(committed[b] + pending[b], path[:-1])  # all True: unreachable
+            ends = bool(path) and path[-1] == END and bool(before[END]) and not bool(before.all())
+            assert bool(walk.terminal[b, i]) == ends, (b, i, path)
+            terminal += ends
     assert reached > 4
+    return terminal
 
 
 def test_root_mask_everywhere_differs():
@@ -155,3 +166,8 @@ def test_drafts_only_allowed_tokens():
             bad += not bool(_want([2, 2], path[:-1])[path[-1]])
         assert (bad == 0) if hook is not None else (bad > 0)  # without the hook (control) it drafts forbidden ones
     assert grammar.history == [2, 2]
+
+
+def test_some_nodes_terminate():
+    """The trees above do reach the grammar's end somewhere (so the terminal marks are exercised)."""
+    assert sum(_check_tree(ToyGrammar, seed) for seed in range(12)) > 0

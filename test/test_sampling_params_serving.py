@@ -115,10 +115,10 @@ def test_drafts_accepted_under_each_feature(mixed_outputs, shape):
     names, outs = mixed_outputs
     for feature in dict.fromkeys(names):
         group = [o for n, o in zip(names, outs[shape]) if n == feature]
-        checks.assert_speculation_exercised(group)
-        tokens = sum(len(o["output_ids"]) for o in group)
-        rounds = sum(o["meta_info"]["spec_verify_ct"] for o in group)
-        assert tokens / rounds > 1.3, (feature, tokens, rounds)
+        # Each verify round emits its accepted drafts plus one; the prefill emits the first token.
+        tokens = sum(len(o["output_ids"]) - 1 for o in group)
+        rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in group)
+        assert rounds > 0 and tokens / rounds > 1.3, (feature, tokens, rounds)
 
 
 def test_grammar_outputs_valid(mixed_outputs):

@@ -63,13 +63,16 @@ class GrammarPaths:
 
     def mask_fn(self, paths: torch.Tensor, valid: torch.Tensor) -> Callable[[torch.Tensor], None]:
         """The in-place masking of ``logits [B * n, V]`` for nodes whose paths below the root are the valid
-        columns of ``paths [B, n, P]`` (in path order)."""
+        columns of ``paths [B, n, P]`` (in path order). Also sets ``terminal [B, n]``: the node's own token
+        terminates the grammar (plain decoding ends the request there)."""
         batch, n, _ = paths.shape
         mask = self.handle.allocate_vocab_mask(vocab_size=self.vocab, batch_size=batch * n, device="cpu")
+        self.terminal = torch.zeros(batch * n, dtype=torch.bool)
         paths_host, valid_host = paths.tolist(), valid.tolist()
         for b, grammar, pending in self.rows:
             node_paths = [[t for t, ok in zip(p, v) if ok] for p, v in zip(paths_host[b], valid_host[b])]
             self._fill(grammar, pending, node_paths, mask, b * n)
+        self.terminal = self.terminal.view(batch, n).to(paths.device)
 
         def apply(logits: torch.Tensor) -> None:
             self.handle.apply_vocab_mask(logits=logits, vocab_mask=self.handle.move_vocab_mask(mask, logits.device))
@@ -104,6 +107,7 @@ class GrammarPaths:
         """Fills the rows ending at this trie node, then visits the children the state allows."""
         grammar = cursor.grammar
         if grammar.is_terminated():
+            self.terminal[node.get(None, [])] = True
             return  # plain decoding stops here: nothing after this node is ever committed
         scratch = grammar.allocate_vocab_mask(vocab_size=self.vocab, batch_size=1, device="cpu")
         grammar.fill_vocab_mask(scratch, 0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import DraftTree
+from ..tree import DraftTree, VerifyResult
 from ..tree.path_logits import PenaltyState, process_path_logits, tree_paths
 from .grammar_paths import GrammarPaths, grammar_paths
 
@@ -90,6 +90,22 @@ class SamplingRules:
         """The verified logits ``[B, D, V]`` (a view of the forward's output) processed in place."""
         paths, valid = tree_paths(tree.tokens, tree.ancestor_mask(), tree.depths)
         self.process(logits, paths, valid)
+
+
+    def cut_at_termination(self, verdict: VerifyResult) -> VerifyResult:
+        """Each run cut after the first accepted node whose token terminates the request's grammar (after
+        ``verify``). Plain decoding ends the request with that token; SGLang's scheduler keeps exactly that much
+        of a speculative run, so the committed length must stop there too (the bonus token after it is dropped)."""
+        if self.grammars is None:
+            return verdict
+        accepted = verdict.accepted_nodes
+        width = accepted.shape[1]
+        idx = torch.arange(width, device=accepted.device)
+        ends = (accepted > 0) & self.grammars.terminal.gather(1, accepted.clamp(min=0))
+        first = torch.where(ends.any(-1), ends.int().argmax(-1), width)  # its index j: tokens of nodes 1..j
+        lens = torch.minimum(verdict.accept_lens, first)
+        keep = idx[None, :] < lens[:, None]
+        return VerifyResult(torch.where(keep, accepted, -1), torch.where(keep, verdict.tokens, -1), lens)
 
 
 def refusal(obj) -> str | None:

@@ -236,6 +236,9 @@ class TreeV4Worker(BaseSpecWorker):
         C = self.budget.draft_tokens
         starts = []
         for req, L in zip(batch.reqs, lens):
+            if req.finished():  # an inert row (``_dead_rows``): one position, no state of its own touched
+                starts.append(L - 1)
+                continue
             start, gap = catch_up_start(getattr(req, MTP_LEN_ATTR, 0), getattr(req, PREFILL_LEN_ATTR, 0), L, window, C)
             if gap:
                 setattr(req, MTP_FROM_ATTR, start)
@@ -245,18 +248,25 @@ class TreeV4Worker(BaseSpecWorker):
                 setattr(req, MTP_FROM_ATTR, 0)
             starts.append(start)
         req_table = mtp_window_from(req_table, [getattr(req, MTP_FROM_ATTR, 0) for req in batch.reqs])
+        req_table = _inert(req_table, batch)
         # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
         # last D positions; after a prefill, and on a CPU, only the missing positions run.
         fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
         for req, L, start, waiting in zip(batch.reqs, lens, starts, pending):
+            if req.finished():
+                next_tokens.append([0] * (C if fixed else L - start))
+                roots.append(0)
+                continue
             output = _Output(req.output_ids, waiting)
             next_tokens.append(_tokens_between(req.origin_input_ids, output, (L - C if fixed else start) + 1, L + 1))
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
             setattr(req, PREFILLED_TO_ATTR, None)
             if req.kv.kv_allocated_len < L + D:
-                raise RuntimeError("TREE_V4: fewer reserved KV slots than the verify block needs")
+                raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request {req.rid}: "
+                                   f"{req.kv.kv_allocated_len} reserved, {req.kv.kv_committed_len} committed, "
+                                   f"length {L}, D {D}, finished {req.finished()}, {req.sampling_params})")
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
                                         torch.tensor(next_tokens, device=self.device))
@@ -287,14 +297,10 @@ class TreeV4Worker(BaseSpecWorker):
         out = []
         for req, L, row, k in zip(batch.reqs, lens, rows, counts):
             have = len(req.origin_input_ids) + len(req.output_ids)
-            if have == L + 1:
+            if have == L + 1 or req.finished():  # a finished request's row is inert (``_dead_rows``)
                 out.append([])
             elif have + k == L + 1:
                 out.append(row[:k])
-            elif req.finished() and 0 < L + 1 - have <= k:
-                # Finished while this round was being scheduled, its last run cut short (a grammar that terminated
-                # inside it): the round's output is dropped, only the shapes must hold.
-                out.append(row[:L + 1 - have])
             else:
                 raise RuntimeError(f"TREE_V4: request {req.rid} has {have} tokens (+{k} from the previous round) "
                                    f"for a committed length of {L} (finished: {req.finished()}, "
@@ -313,7 +319,8 @@ class TreeV4Worker(BaseSpecWorker):
         positions = tree.positions(batch.seq_lens.long()).flatten()
         rows = batch.req_pool_indices.long()[:, None]
         cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
-        batch.out_cache_loc = self.req_to_token_pool.req_to_token[rows, cols].flatten().to(torch.int64)
+        slots = self.req_to_token_pool.req_to_token[rows, cols]
+        batch.out_cache_loc = _inert(slots, batch).flatten().to(torch.int64)
         batch.input_ids = tree.tokens.flatten().to(torch.int64)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.spec_info = NgramVerifyInput(draft_token=batch.input_ids, custom_mask=mask, positions=positions,
@@ -379,6 +386,9 @@ class TreeV4Worker(BaseSpecWorker):
         if rules is not None:  # penalties, min_new_tokens, grammar, logit_bias: each node after its own path
             rules.verify(logits, tree)
         verdict = self._accept(batch, tree, logits)
+        if rules is not None:  # a run ends where its grammar terminates, as the scheduler will keep it
+            verdict = rules.cut_at_termination(verdict)
+        verdict = _root_only_where_finished(verdict, batch)
         verdict = broadcast_verdict(verdict, self.tp_group)
 
         flat_offset = torch.arange(bs, device=self.device)[:, None] * D
@@ -390,8 +400,8 @@ class TreeV4Worker(BaseSpecWorker):
         if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)
-            self.adapter.commit_tree_entries(accept_index, self.req_to_token_pool.req_to_token[
-                batch.req_pool_indices], batch.seq_lens, D)
+            self.adapter.commit_tree_entries(accept_index, _inert(self.req_to_token_pool.req_to_token[
+                batch.req_pool_indices], batch), batch.seq_lens, D)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
@@ -440,6 +450,35 @@ class TreeV4Worker(BaseSpecWorker):
             if p_bs == bs and start - p_end < 1:
                 self.policy.times.observe(bs, p_shape, start - p_start)
                 self.policy.times.rest.add(bs, start - p_verified)
+
+
+def _finished_rows(batch) -> list[int]:
+    """Rows of requests that finished before this round ran (a grammar batch's previous result is processed
+    between forming the batch and running it, so a request can finish and free its slots in between). Their
+    round is discarded by the scheduler; they must not touch slots they no longer own."""
+    return [i for i, req in enumerate(batch.reqs) if req.finished()]
+
+
+def _inert(table: torch.Tensor, batch) -> torch.Tensor:
+    """``table`` (rows per request, slot indices) with finished requests' rows on slot 0, SGLang's padding slot."""
+    dead = _finished_rows(batch)
+    if not dead:
+        return table
+    table = table.clone()
+    table[dead] = 0
+    return table
+
+
+def _root_only_where_finished(verdict, batch):
+    """Finished requests accept nothing (no move, no commit of their rows)."""
+    dead = _finished_rows(batch)
+    if not dead:
+        return verdict
+    accepted, tokens, lens = verdict.accepted_nodes.clone(), verdict.tokens.clone(), verdict.accept_lens.clone()
+    accepted[dead, 1:] = -1
+    tokens[dead, 1:] = -1
+    lens[dead] = 1
+    return type(verdict)(accepted, tokens, lens)
 
 
 class _Output:
