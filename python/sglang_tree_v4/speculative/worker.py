@@ -297,14 +297,15 @@ class TreeV4Worker(BaseSpecWorker):
         out = []
         for req, L, row, k in zip(batch.reqs, lens, rows, counts):
             have = len(req.origin_input_ids) + len(req.output_ids)
-            if have == L + 1 or req.finished():  # a finished request's row is inert (``_dead_rows``)
+            if have == L + 1:
                 out.append([])
             elif have + k == L + 1:
                 out.append(row[:k])
+            elif _is_finished(req):  # its row is inert (``_finished_rows``)
+                out.append([])
             else:
                 raise RuntimeError(f"TREE_V4: request {req.rid} has {have} tokens (+{k} from the previous round) "
-                                   f"for a committed length of {L} (finished: {req.finished()}, "
-                                   f"retracted: {req.is_retracted}, finish reason: {req.finished_reason})")
+                                   f"for a committed length of {L}")
         return out
 
     def _score_temperatures(self, batch) -> float | torch.Tensor:
@@ -452,11 +453,16 @@ class TreeV4Worker(BaseSpecWorker):
                 self.policy.times.rest.add(bs, start - p_verified)
 
 
+def _is_finished(req) -> bool:
+    finished = getattr(req, "finished", None)
+    return bool(finished()) if callable(finished) else False
+
+
 def _finished_rows(batch) -> list[int]:
     """Rows of requests that finished before this round ran (a grammar batch's previous result is processed
     between forming the batch and running it, so a request can finish and free its slots in between). Their
     round is discarded by the scheduler; they must not touch slots they no longer own."""
-    return [i for i, req in enumerate(batch.reqs) if req.finished()]
+    return [i for i, req in enumerate(batch.reqs) if _is_finished(req)]
 
 
 def _inert(table: torch.Tensor, batch) -> torch.Tensor:
