@@ -91,7 +91,6 @@ class SamplingRules:
         paths, valid = tree_paths(tree.tokens, tree.ancestor_mask(), tree.depths)
         self.process(logits, paths, valid)
 
-
     def cut_at_termination(self, verdict: VerifyResult) -> VerifyResult:
         """Each run cut after the first accepted node whose token terminates the request's grammar (after
         ``verify``). Plain decoding ends the request with that token; SGLang's scheduler keeps exactly that much

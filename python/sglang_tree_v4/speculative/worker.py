@@ -226,7 +226,8 @@ class TreeV4Worker(BaseSpecWorker):
         catch_up_prefill(model, mtp_store, streams, req_table, chunks, spans, own, tokens)
 
     # --- decode: draft, verify, accept, commit --------------------------------------------------------------
-    def _draft(self, batch, D: int, S: int, pending: list[list[int]], rules: SamplingRules | None) -> DraftTree:
+    def _draft(self, batch, D: int, S: int, pending: list[list[int]], rules: SamplingRules | None,
+               finished: list[int]) -> DraftTree:
         model = self.adapter.model
         _, mtp_store, streams = self.adapter.stores()
         K = self.budget.topk
@@ -235,8 +236,8 @@ class TreeV4Worker(BaseSpecWorker):
         window = model.cfg.window
         C = self.budget.draft_tokens
         starts = []
-        for req, L in zip(batch.reqs, lens):
-            if req.finished():  # an inert row (``_dead_rows``): one position, no state of its own touched
+        for i, (req, L) in enumerate(zip(batch.reqs, lens)):
+            if i in finished:  # an inert row (``_finished_rows``): one position, no state of its own touched
                 starts.append(L - 1)
                 continue
             start, gap = catch_up_start(getattr(req, MTP_LEN_ATTR, 0), getattr(req, PREFILL_LEN_ATTR, 0), L, window, C)
@@ -248,13 +249,13 @@ class TreeV4Worker(BaseSpecWorker):
                 setattr(req, MTP_FROM_ATTR, 0)
             starts.append(start)
         req_table = mtp_window_from(req_table, [getattr(req, MTP_FROM_ATTR, 0) for req in batch.reqs])
-        req_table = _inert(req_table, batch)
+        req_table = _inert(req_table, finished)
         # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
         # last D positions; after a prefill, and on a CPU, only the missing positions run.
         fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
         next_tokens, roots = [], []
-        for req, L, start, waiting in zip(batch.reqs, lens, starts, pending):
-            if req.finished():
+        for i, (req, L, start, waiting) in enumerate(zip(batch.reqs, lens, starts, pending)):
+            if i in finished:
                 next_tokens.append([0] * (C if fixed else L - start))
                 roots.append(0)
                 continue
@@ -266,7 +267,7 @@ class TreeV4Worker(BaseSpecWorker):
             if req.kv.kv_allocated_len < L + D:
                 raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request {req.rid}: "
                                    f"{req.kv.kv_allocated_len} reserved, {req.kv.kv_committed_len} committed, "
-                                   f"length {L}, D {D}, finished {req.finished()}, {req.sampling_params})")
+                                   f"length {L}, D {D})")
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
                                         torch.tensor(next_tokens, device=self.device))
@@ -314,14 +315,14 @@ class TreeV4Worker(BaseSpecWorker):
             return self.score_temperature
         return request_score_temperatures(self.score_temperature, info.temperatures.flatten(), info.top_ks)
 
-    def _verify_input(self, batch, tree):
+    def _verify_input(self, batch, tree, finished: list[int]):
         D = tree.width
         mask = tree.ancestor_mask().flatten()
         positions = tree.positions(batch.seq_lens.long()).flatten()
         rows = batch.req_pool_indices.long()[:, None]
         cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
         slots = self.req_to_token_pool.req_to_token[rows, cols]
-        batch.out_cache_loc = _inert(slots, batch).flatten().to(torch.int64)
+        batch.out_cache_loc = _inert(slots, finished).flatten().to(torch.int64)
         batch.input_ids = tree.tokens.flatten().to(torch.int64)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.spec_info = NgramVerifyInput(draft_token=batch.input_ids, custom_mask=mask, positions=positions,
@@ -371,15 +372,16 @@ class TreeV4Worker(BaseSpecWorker):
         D, S = self._shape(batch)
         pending = self._pending_tokens(batch, batch.seq_lens.tolist())
         rules = SamplingRules.build(batch, pending, self.adapter.model.cfg.vocab_size)
+        finished = _finished_rows(batch)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
             roots = torch.tensor([p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending)],
                                  device=self.device)
             tree = DraftTree.roots_only(roots)
         else:
-            tree = self._draft(batch, D, S, pending, rules)
+            tree = self._draft(batch, D, S, pending, rules, finished)
         D = tree.width
         drafted = time.perf_counter()
-        self._verify_input(batch, tree)
+        self._verify_input(batch, tree, finished)
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         verified = time.perf_counter()
         logits_output = result.logits_output
@@ -389,7 +391,7 @@ class TreeV4Worker(BaseSpecWorker):
         verdict = self._accept(batch, tree, logits)
         if rules is not None:  # a run ends where its grammar terminates, as the scheduler will keep it
             verdict = rules.cut_at_termination(verdict)
-        verdict = _root_only_where_finished(verdict, batch)
+        verdict = _root_only(verdict, finished)
         verdict = broadcast_verdict(verdict, self.tp_group)
 
         flat_offset = torch.arange(bs, device=self.device)[:, None] * D
@@ -402,7 +404,7 @@ class TreeV4Worker(BaseSpecWorker):
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)
             self.adapter.commit_tree_entries(accept_index, _inert(self.req_to_token_pool.req_to_token[
-                batch.req_pool_indices], batch), batch.seq_lens, D)
+                batch.req_pool_indices], finished), batch.seq_lens, D)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
@@ -465,9 +467,8 @@ def _finished_rows(batch) -> list[int]:
     return [i for i, req in enumerate(batch.reqs) if _is_finished(req)]
 
 
-def _inert(table: torch.Tensor, batch) -> torch.Tensor:
-    """``table`` (rows per request, slot indices) with finished requests' rows on slot 0, SGLang's padding slot."""
-    dead = _finished_rows(batch)
+def _inert(table: torch.Tensor, dead: list[int]) -> torch.Tensor:
+    """``table`` (rows per request, slot indices) with the ``dead`` rows on slot 0, SGLang's padding slot."""
     if not dead:
         return table
     table = table.clone()
@@ -475,9 +476,8 @@ def _inert(table: torch.Tensor, batch) -> torch.Tensor:
     return table
 
 
-def _root_only_where_finished(verdict, batch):
-    """Finished requests accept nothing (no move, no commit of their rows)."""
-    dead = _finished_rows(batch)
+def _root_only(verdict, dead: list[int]):
+    """The ``dead`` (finished) rows accept nothing (no move, no commit of their rows)."""
     if not dead:
         return verdict
     accepted, tokens, lens = verdict.accepted_nodes.clone(), verdict.tokens.clone(), verdict.accept_lens.clone()

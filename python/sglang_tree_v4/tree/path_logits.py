@@ -153,18 +153,17 @@ def _penalties(logits: torch.Tensor, paths: torch.Tensor, path_valid: torch.Tens
     same = (paths[..., :, None] == paths[..., None, :]) & path_valid[..., None, :]
     extra = same.sum(-1)  # [B, n, P]: valid path occurrences of each column's token
     rows = torch.arange(batch, device=logits.device)[:, None, None]
+    present = state.present[rows, paths] | (extra > 0)
     vals = raw
     if "additive" in state.uses:
         f = state.frequency[:, None, None].expand(batch, n, P)
         sums = state.frequency_sums[rows, paths]
         for k in range(P):  # the same running sum of equal addends as one addition per occurrence
             sums = torch.where(extra > k, sums + f, sums)
-        present = state.present[rows, paths] | (extra > 0)
         vals = vals + (-sums - torch.where(present, state.presence[:, None, None], 0.0))
     if held is not None:
         vals = vals.masked_fill(held[:, :, None] & state.stop_tokens[rows, paths], float("-inf"))
     if "scaling" in state.uses:
-        present = state.present[rows, paths] | (extra > 0)
         factors = torch.where(present, state.repetition[:, None, None], 1.0)
         vals = vals.contiguous()
         scale(vals.view(batch * n, P), factors.reshape(batch * n, P))
