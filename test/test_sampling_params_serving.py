@@ -70,7 +70,9 @@ def prompts_and_features(servers):
         "presence_penalty": {"presence_penalty": 0.8},
         "logit_bias": {"logit_bias": {str(common[0]): -100.0, str(common[1]): -3.0, str(common[4]): 2.5}},
         "min_new_tokens": {"min_new_tokens": 30},
-        "stop_token_ids": {"stop_token_ids": [common[2]]},
+        # The embedded model often ends at once on these prompts without ignore_eos (which also turns stop ids
+        # off): a minimum of 8 tokens makes rounds run before the stop id can end the request.
+        "stop_token_ids": {"stop_token_ids": [common[2]], "min_new_tokens": 8},
         "regex": {"regex": REGEX},
         "json_schema": {"json_schema": json.dumps(SCHEMA)},
         "ebnf": {"ebnf": EBNF},
@@ -117,8 +119,6 @@ def test_mixed_batch_equals_plain(mixed_outputs, shape):
         assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"], (name, i)
 
 
-@pytest.mark.xfail(reason="issue 42 open: under some features the embedded model's drafts accept fewer than "
-                          "1.3 tokens per round (last run: failed on tree and chain); not yet diagnosed", strict=False)
 @pytest.mark.parametrize("shape", ["tree", "chain"])
 def test_drafts_accepted_under_each_feature(mixed_outputs, shape):
     names, outs = mixed_outputs
