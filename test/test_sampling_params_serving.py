@@ -16,7 +16,6 @@ import collections
 import concurrent.futures as cf
 import json
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ from sglang_tree_v4 import launcher as srv
 from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from support import serving_checks as checks
+from support import grammar_cases
+from support.grammar_cases import SCHEMA, check_valid
 
 pytestmark = pytest.mark.server
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
@@ -35,10 +36,6 @@ TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", 
 CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "6", "--speculative-eagle-topk", "1",
          "--speculative-num-steps", "5"]
 NEW_TOKENS = 48
-REGEX = r"(Yes|No), because [a-z ]{4,40}\."
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
-EBNF = 'root ::= "Answer: " [0-9]+ (" " [a-z]+)* "."'
 
 
 @pytest.fixture(scope="module")
@@ -73,29 +70,13 @@ def prompts_and_features(servers):
         # The embedded model often ends at once on these prompts without ignore_eos (which also turns stop ids
         # off): a minimum of 8 tokens makes rounds run before the stop id can end the request.
         "stop_token_ids": {"stop_token_ids": [common[2]], "min_new_tokens": 8},
-        "regex": {"regex": REGEX},
-        "json_schema": {"json_schema": json.dumps(SCHEMA)},
-        "ebnf": {"ebnf": EBNF},
+        **grammar_cases.PARAMS,
     }
     # Penalties and bias run with ignore_eos (the embedded model often ends at once on these prompts); the features
     # about ending (min_new_tokens, stop ids) and the grammars run without it.
     ends = ("min_new_tokens", "stop_token_ids", "regex", "json_schema", "ebnf")
     return items, {name: {**base, **params, **({} if name in ends else {"ignore_eos": True})}
                    for name, params in features.items()}
-
-
-def _check_valid(feature: str, out: dict) -> None:
-    """A finished grammar output is in its language (a truncated one need not be)."""
-    if out["meta_info"]["finish_reason"]["type"] == "length":
-        return
-    text = out["text"]
-    if feature == "regex":
-        assert re.fullmatch(REGEX, text), text
-    elif feature == "json_schema":
-        value = json.loads(text)
-        assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
-    elif feature == "ebnf":
-        assert re.fullmatch(r"Answer: [0-9]+( [a-z]+)*\.", text), text
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +117,7 @@ def test_grammar_outputs_valid(mixed_outputs):
     finished = collections.Counter()
     for name, out in zip(names, outs["tree"]):
         if name in ("regex", "json_schema", "ebnf"):
-            _check_valid(name, out)
+            check_valid(name, out)
             finished[name] += out["meta_info"]["finish_reason"]["type"] != "length"
     assert finished["regex"] > 0 and finished["ebnf"] > 0, finished
 
@@ -151,7 +132,7 @@ def test_one_by_one_equals_plain(servers, prompts_and_features, feature):
         for shape in ("tree", "chain"):
             got = servers[shape].generate(payload)
             assert got["output_ids"] == want["output_ids"], (feature, shape)
-            _check_valid(feature, got)
+            check_valid(feature, got)
 
 
 def _chat(server, question: str) -> requests.Response:
@@ -208,7 +189,7 @@ def _random_params(rng: random.Random, common: list[int]) -> dict:
         p["ignore_eos"] = True
     if rng.random() < 0.2:
         kind = rng.choice(["regex", "json_schema", "ebnf"])
-        p[kind] = {"regex": REGEX, "json_schema": json.dumps(SCHEMA), "ebnf": EBNF}[kind]
+        p.update(grammar_cases.PARAMS[kind])
     return p
 
 
@@ -241,7 +222,7 @@ PENALTY_SETTINGS = ({"temperature": 1.0, "repetition_penalty": 1.3},
                     {"temperature": 1.0, "frequency_penalty": 0.8})
 
 
-@pytest.mark.parametrize("name", ["plain", "tree"])
+@pytest.mark.parametrize("name", ["plain", "tree", "chain"])
 def test_sampled_tokens_with_penalties_follow_the_target(servers, name):
     """The powered test of ``test_tree_v4_serving.test_sampled_tokens_follow_the_target`` with penalties: 3 prompts
     x 2 settings x 500 samples of 10 tokens, each sampled token scored against the target's conditional
