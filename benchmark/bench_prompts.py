@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_tree_v4 import prompts
+from sglang_tree_v4.testing import prompts
 
 SHAREGPT_SKIP = 6000  # raw conversations skipped: the embedded model trained on the first usable 1,200
 SHAREGPT_MAX_CHARS = 1500

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import requests
 
-from sglang_tree_v4 import launcher
-from sglang_tree_v4.launcher import Server, wait_healthy  # noqa: F401  (the sweep uses both through this module)
+from sglang_tree_v4.testing import launcher
+from sglang_tree_v4.testing.launcher import Server, wait_healthy  # noqa: F401  (the sweep uses both through this module)
 
 
 def spec_args(topk: int, num_steps: int, budget: int) -> list[str]:

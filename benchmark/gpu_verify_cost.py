@@ -170,7 +170,7 @@ def main() -> int:
 
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 
     ratios = [int(x) for x in a.layers.split(",")]

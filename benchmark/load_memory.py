@@ -3,7 +3,7 @@
     python benchmark/load_memory.py [--out benchmark/results/load_memory_cpu.jsonl] [--tp 2]
 
 Writes a random V4 (hidden 1024, 4 layers + MTP, 32 experts of 512, vocabulary 16384: about 0.3 GB in the
-published FP8/FP4 layout, 1 GB shards + index) with ``dsv4.weights.save_published``, then, in a fresh process per
+published FP8/FP4 layout, 1 GB shards + index) with ``checkpoint.weights.save_published``, then, in a fresh process per
 (tp, rank), does what a server rank does -- ``build_model`` on the meta device with SGLang's parallel layers for
 that rank (``tp.shard_model`` under a parallel-context override), allocate, stream the files in through
 safetensors slice handles (``StreamingLoader``) -- and records, from ``/proc/self/status``, the process's resident
@@ -43,7 +43,7 @@ def write_checkpoint(path: str) -> None:
 
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.dsv4.weights import save_published
+    from sglang_tree_v4.checkpoint.weights import save_published
 
     with open(os.path.join(ROOT, "models", "tiny-v4", "config.json")) as f:
         raw = json.load(f)
@@ -64,9 +64,9 @@ def measure_rank(path: str, tp: int, rank: int) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_tree_v4.dsv4.config import DSV4Config
-    from sglang_tree_v4.dsv4.quantize import build_model, parameter_bytes
-    from sglang_tree_v4.dsv4.tp import shard_model
-    from sglang_tree_v4.dsv4.weights import _FILE_DTYPES, StreamingLoader, iter_safetensors
+    from sglang_tree_v4.checkpoint.swap import build_model, parameter_bytes
+    from sglang_tree_v4.checkpoint.tp import shard_model
+    from sglang_tree_v4.checkpoint.weights import _FILE_DTYPES, StreamingLoader, iter_safetensors
 
     torch.set_num_threads(1)
     largest = 0

@@ -34,8 +34,8 @@ def main() -> None:
 
     import torch
 
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.speculative.step_timer import verify_forward
 
     torch.set_num_threads(1)

@@ -40,9 +40,9 @@ def time_steps(variant: str, batch: int, D: int, reps: int) -> list[float]:
     """Runs inside the checkout under test (its ``python`` folders first on sys.path)."""
     import torch
 
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.dsv4.tree_state import TreeVerifier
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.tree import DraftTree, verify_greedy
 
     torch.set_num_threads(1)

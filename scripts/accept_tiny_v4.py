@@ -1,6 +1,6 @@
 """Accepted length of MTP tree drafting vs the matched MTP chain on ``models/tiny-v4``, greedy, without SGLang.
 
-The decode loop is ``speculative.offline.speculative_greedy``: the drafter the SGLang worker uses
+The decode loop is ``testing.offline.speculative_greedy``: the drafter the SGLang worker uses
 (``speculative.mtp_drafter``), one target verify forward per round, the accepted rows committed. Accept length =
 tokens emitted per round (accepted drafts + the bonus), SGLang's definition.
 
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
-    from sglang_tree_v4.dsv4.weights import load_model
-    from sglang_tree_v4.speculative.offline import plain_greedy, speculative_greedy
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.offline import plain_greedy, speculative_greedy
     from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature
 
     model = load_model(args.model)

@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 from transformers import AutoTokenizer
 
-from sglang_tree_v4 import launcher
+from sglang_tree_v4.testing import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -38,7 +38,7 @@ def score_chat(model, ids: torch.Tensor) -> tuple[float, int, int, int]:
 
 @torch.no_grad()
 def greedy_answer(model, tokenizer, question: str, max_new: int) -> str:
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
     ids = data.first_turn_ids(tokenizer, [{"role": "user", "content": question}])
     runner = DSV4Runner(model, num_slots=len(ids) + max_new + 8, max_len=len(ids) + max_new + 8, max_reqs=1)
     rid = runner.add_request()
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
 
     model = load_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -72,7 +72,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def save(model, tokenizer, cfg: dict, out: Path, meta: dict) -> None:
     """Weights in DeepSeek naming (``save_checkpoint``), then the config rewritten in HF's layout."""
-    from sglang_tree_v4.dsv4.weights import save_checkpoint
+    from sglang_tree_v4.checkpoint.weights import save_checkpoint
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, str(out))
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = tm.hf_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, args.hidden,
                        args.hca_ratio, args.window)
     if args.init:
-        from sglang_tree_v4.dsv4.weights import load_model
+        from sglang_tree_v4.checkpoint.weights import load_model
         model = load_model(args.init).train()
         cfg = json.loads((Path(args.init) / "config.json").read_text())
     else:

@@ -14,7 +14,9 @@ import sys
 import pytest
 import requests
 
-from sglang_tree_v4 import launcher as srv, prompts
+from sglang_tree_v4.testing import launcher as srv
+
+from sglang_tree_v4.testing import prompts
 from support import tiny_llama
 
 pytestmark = pytest.mark.server

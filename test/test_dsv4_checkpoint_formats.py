@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 from sglang_tree_v4.dsv4.config import ConfigError
-from sglang_tree_v4.dsv4.quantize import parameter_bytes
-from sglang_tree_v4.dsv4.quantized import (FP4Experts, FP8BlockLinear, dequantize_fp4, pack_fp4, quantize_fp4,
-                                           quantize_fp8_block, unpack_fp4)
-from sglang_tree_v4.dsv4.weights import CheckpointError, load_model, save_checkpoint, save_published
+from sglang_tree_v4.checkpoint.swap import parameter_bytes
+from sgl_kernel_ext.weight_formats import dequantize_fp4, pack_fp4, quantize_fp4, quantize_fp8_block, unpack_fp4
+from sglang_tree_v4.checkpoint.quantized_modules import FP4Experts, FP8BlockLinear
+from sglang_tree_v4.checkpoint.weights import CheckpointError, load_model, save_checkpoint, save_published
 from support import real_format as rf
 
 TOL = 1e-4
@@ -277,7 +277,7 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
     import torch
 
     from sglang_tree_v4.dsv4.config import DSV4Config
-    from sglang_tree_v4.dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
+    from sglang_tree_v4.serving.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
                                                  ring_layer_columns, ring_layer_widths, state_page_size,
                                                  token_columns_per_slot,
                                                  token_layer_ratios, token_layer_widths, window_layer_widths)

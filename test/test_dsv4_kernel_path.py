@@ -17,7 +17,7 @@ CHILD = textwrap.dedent("""
     from support.tiny_v4 import randomize, tiny_config
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     model = DSV4Model(DSV4Config.from_dict(tiny_config(64, hca_ratio=8, window=8)), with_mtp=False).eval()
     randomize(model, seed=3)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
-from sglang_tree_v4.dsv4.runner import DSV4Runner
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.testing.runner import DSV4Runner
 
 TOL = 1e-4
 
@@ -168,7 +168,7 @@ def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.dsv4.weights import load_state
+    from sglang_tree_v4.checkpoint.weights import load_state
 
     rp = copy.deepcopy(NESTED_YARN)
     if attention_factor is not None:
@@ -179,7 +179,7 @@ def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
     cfg = DeepseekV4Config(**{k: v for k, v in d.items() if k != "transformers_version"})
     cfg._experts_implementation = "eager"
     hf = DeepseekV4ForCausalLM(cfg).eval().float()
-    from dsv4_tiny import randomize_zero_inits
+    from support.hf_reference import randomize_zero_inits
     randomize_zero_inits(hf, cfg.vocab_size, cfg.n_routed_experts, 11)
     expected = 1.3 if attention_factor else 0.1 * math.log(16) + 1
     assert hf.model.rotary_emb.compress_attention_scaling == pytest.approx(expected)

@@ -3,9 +3,9 @@ chunked vs one-shot, and loading from DeepSeek-named ``mtp.*`` tensors."""
 import pytest
 import torch
 
-from dsv4_tiny import build_hf, ours_from_hf, rel_err
-from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.weights import load_model, save_checkpoint, to_internal
+from support.hf_reference import build_hf, ours_from_hf, rel_err
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.checkpoint.weights import load_model, save_checkpoint, to_internal
 
 N = 60
 

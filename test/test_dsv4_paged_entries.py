@@ -17,9 +17,9 @@ their blocks still read. Both are checked against the same pages without a ring,
 import pytest
 import torch
 
-from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
-from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, tree_ancestor_slots, verify_table
-from sglang_tree_v4.dsv4.sglang_pool import entry_ratios, state_page_size
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.serving.sglang_model import commit_accepted_entries, tree_ancestor_slots, verify_table
+from sglang_tree_v4.serving.sglang_pool import entry_ratios, state_page_size
 from sglang_tree_v4.dsv4 import compressor
 from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_layouts,
                                          model_token_layouts, paged_layouts, ring_period, ring_rows)

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding (``dsv4.tp``) and the per-rank streaming load, without a process group: each rank's
+"""Tensor-parallel sharding (``checkpoint.tp``) and the per-rank streaming load, without a process group: each rank's
 model is built under SGLang's parallel-context override, loaded from a published-layout checkpoint on disk through
 safetensors slice handles, and compared with the ``--tp 1`` model loaded the same way. Every sharded tensor must be
 exactly its slice of the whole, every FP8 shard must dequantise to its slice of the whole dequantised weight (also
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from sglang_tree_v4.dsv4.config import ConfigError, DSV4Config
-from sglang_tree_v4.dsv4.quantize import build_model, parameter_bytes
-from sglang_tree_v4.dsv4.quantized import FP8_DTYPE, dense_weight
-from sglang_tree_v4.dsv4.weights import StreamingLoader, iter_safetensors
+from sglang_tree_v4.checkpoint.swap import build_model, parameter_bytes
+from sgl_kernel_ext.weight_formats import FP8_DTYPE, dense_weight
+from sglang_tree_v4.checkpoint.weights import StreamingLoader, iter_safetensors
 from support import real_format as rf
 
 sglang_parallel = pytest.importorskip("sglang.srt.runtime_context")
-from sglang_tree_v4.dsv4.tp import shard_model  # noqa: E402  (imports sglang)
+from sglang_tree_v4.checkpoint.tp import shard_model  # noqa: E402  (imports sglang)
 
 
 @pytest.fixture(scope="module")

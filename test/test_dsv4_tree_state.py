@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
-from sglang_tree_v4.dsv4.runner import DSV4Runner
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.testing.runner import DSV4Runner
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier, committed_checksum, greedy_accept, tree_paths
 
 TOL = 1e-4

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dsv4_tiny import build_hf, hf_logits, ours_from_hf, rel_err
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 from sglang_tree_v4.dsv4.config import ConfigError, DSV4Config
-from sglang_tree_v4.dsv4.weights import CheckpointError, deepseek_state, load_model, load_state, save_checkpoint
+from sglang_tree_v4.checkpoint.weights import CheckpointError, deepseek_state, load_model, load_state, save_checkpoint
 
 FLASH = {  # DeepSeek config.json layout, V4-Flash values
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
@@ -157,7 +157,7 @@ def test_fp8_block_scaled_weights_are_dequantised(tiny, tmp_path):
 
 def test_fp4_experts_are_dequantised_into_a_dense_model(tiny):
     """FP4 e2m1 experts (two per byte, low nibble first, per-32 e8m0 scales) fed to a dense model are dequantised."""
-    from sglang_tree_v4.dsv4.quantized import dequantize_fp4, quantize_fp4
+    from sgl_kernel_ext.weight_formats import dequantize_fp4, quantize_fp4
     hf, _, _ = tiny
     ours = ours_from_hf(hf)
     state = deepseek_state(ours)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_tree_v4 import prompts
-from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.weights import load_model
-from sglang_tree_v4.speculative.offline import plain_greedy
+from sglang_tree_v4.testing import prompts
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.checkpoint.weights import load_model
+from sglang_tree_v4.testing.offline import plain_greedy
 from support.serving_checks import assert_speculation_exercised
 
 pytestmark = pytest.mark.server

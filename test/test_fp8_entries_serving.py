@@ -19,8 +19,8 @@ import pytest
 import requests
 import torch
 
-from sglang_tree_v4 import launcher as srv
-from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from support import real_format as rf
 from support import serving_checks as checks
 
@@ -74,8 +74,8 @@ def test_servers_keep_entries_as_fp8(servers):
 def test_first_token_logprobs_are_the_fp8_models(servers):
     """The plain server's log-probability of its first token, against our model offline over fp8 entries and over
     full-precision ones: it is the fp8 model's (within float rounding), and the two models differ by more."""
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.checkpoint.weights import load_model
 
     model = load_model(str(EMBEDDED))
     gaps = {None: [], "fp8_e4m3": []}
@@ -127,7 +127,7 @@ def test_radix_hits_give_the_tokens_of_a_cold_run_fp8(servers):
 
 def test_sampled_tokens_follow_the_fp8_target(servers):
     """As ``test_tree_v4_serving.test_sampled_tokens_follow_the_target``, with the target over fp8 entries."""
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
 
     stats = checks.sampled_position_stats(servers["tree"], load_model(str(EMBEDDED)), checks.sampling_cases(EMBEDDED),
                                           500, 10, entry_format="fp8_e4m3")

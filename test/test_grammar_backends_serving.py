@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tree_v4 import launcher as srv
-from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from support import grammar_cases, serving_checks as checks
 

@@ -1,9 +1,13 @@
 """The package's import graph, read with the standard ``ast`` module (every import statement, including the lazy
-ones inside functions): no cycle, and the dependency direction of the design holds:
-``tree/`` <- ``dsv4/`` <- ``speculative/`` <- ``plugin.py`` (``cpu/``, the platform support, reads V4 configs
-through ``dsv4.config`` and is asked by ``speculative/`` whether the machine is CPU-only), with the math in
-``tree/`` and ``dsv4/`` free of sglang (only ``dsv4/sglang_model.py``, the adapter, ``dsv4/sglang_pool.py``, its
-KV pool, and ``dsv4/tp.py``, the swap to SGLang's parallel layers, may import it)."""
+ones inside functions): no cycle, and the layers of the design import one way only:
+
+``tree/`` (tree math) <- ``dsv4/`` (the model and its state) <- ``checkpoint/`` (formats, the quantization swap,
+tensor-parallel sharding) <- ``serving/`` (SGLang's model and KV pool adapters) <- ``speculative/`` (the TREE_V4
+worker and its SGLang hooks) <- ``plugin.py``; ``cpu/`` (platform support) reads configs and the pool's layout;
+``footprint/`` (the report) and ``testing/`` (launcher, prompts, runners for tests and benchmarks) sit on top, and
+no product layer imports them. ``tree/``, ``dsv4/`` and ``checkpoint/`` are free of sglang, except ``checkpoint/tp``,
+the swap to SGLang's parallel layers.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,16 @@ PACKAGE = "sglang_tree_v4"
 ALLOWED = {
     "tree": set(),
     "dsv4": {"tree"},
-    "speculative": {"tree", "dsv4", "cpu"},
-    "cpu": {"dsv4"},
+    "checkpoint": {"tree", "dsv4"},
+    "serving": {"tree", "dsv4", "checkpoint"},
+    "cpu": {"dsv4", "serving"},
+    "speculative": {"tree", "dsv4", "checkpoint", "serving", "cpu"},
     "plugin": {"cpu", "speculative"},
+    "footprint": {"tree", "dsv4", "checkpoint", "serving", "speculative"},
+    "testing": {"tree", "dsv4", "checkpoint", "serving", "speculative", "cpu"},
 }
-SGLANG_ADAPTERS = {f"{PACKAGE}.dsv4.sglang_model", f"{PACKAGE}.dsv4.sglang_pool", f"{PACKAGE}.dsv4.tp"}
+SGLANG_FREE = ("tree", "dsv4", "checkpoint")
+SGLANG_ADAPTERS = {f"{PACKAGE}.checkpoint.tp"}
 
 
 def _module_name(path: Path) -> str:
@@ -71,7 +80,8 @@ def test_graph_is_read():
     graph = _graph()
     assert f"{PACKAGE}.speculative.worker" in graph and f"{PACKAGE}.dsv4.model" in graph
     assert f"{PACKAGE}.dsv4.mtp" in graph[f"{PACKAGE}.dsv4.model"][0]  # the reader does see imports
-    assert not any(m.split(".")[1] == "spec" for m in graph if m.count(".")), "the old package name is gone"
+    assert f"{PACKAGE}.serving.sglang_model" in graph and f"{PACKAGE}.checkpoint.weights" in graph
+    assert not any(_layer(m) is None for m in graph if m.count(".") > 1), "every subpackage is a known layer"
 
 
 def test_no_import_cycle():
@@ -106,6 +116,6 @@ def test_dependency_direction():
             other = _layer(d)
             if other is not None and other != layer and other not in ALLOWED[layer]:
                 bad.append(f"{module} imports {d}")
-        if layer in ("tree", "dsv4") and "sglang" in external and module not in SGLANG_ADAPTERS:
+        if layer in SGLANG_FREE and "sglang" in external and module not in SGLANG_ADAPTERS:
             bad.append(f"{module} imports sglang")
     assert not bad, "\n".join(bad)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from sglang_tree_v4 import launcher
+from sglang_tree_v4.testing import launcher
 
 LOW = 31000
 WIDTH = 6

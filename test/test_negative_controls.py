@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_tree_v4 import prompts
-from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.weights import load_model
-from sglang_tree_v4.speculative.offline import plain_greedy
+from sglang_tree_v4.testing import prompts
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.checkpoint.weights import load_model
+from sglang_tree_v4.testing.offline import plain_greedy
 from support import serving_checks as checks
 from test_tree_v4_serving import COMMON, EMBEDDED, NEW_TOKENS, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
 from test_window_retention import EARLIEST_EVICTION, RING_PAGES

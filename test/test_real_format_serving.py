@@ -10,7 +10,9 @@ import concurrent.futures as cf
 
 import pytest
 
-from sglang_tree_v4 import launcher, prompts
+from sglang_tree_v4.testing import launcher
+
+from sglang_tree_v4.testing import prompts
 from support import real_format as rf
 from support.serving_checks import assert_speculation_exercised
 
@@ -127,7 +129,7 @@ def test_tp2_tree_equals_tp1_tree(servers, prompt_ids):
 
 
 def test_save_pretrained_checkpoint_matches_hf(servers, checkpoints, prompt_ids):
-    from dsv4_tiny import build_hf
+    from support.hf_reference import build_hf
     hf = build_hf(8, seed=0, vocab=3072)  # the very model save_pretrained wrote (same seed)
     outs = _greedy(servers["save_pretrained"], prompt_ids)
     for ids, out in zip(prompt_ids, outs):

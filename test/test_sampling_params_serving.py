@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_tree_v4 import launcher as srv
-from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from support import serving_checks as checks
 from support import grammar_cases
@@ -143,7 +143,7 @@ def _chat(server, question: str) -> requests.Response:
 
 
 def test_openai_response_format(servers):
-    from sglang_tree_v4 import prompts
+    from sglang_tree_v4.testing import prompts
 
     for record in prompts.gsm8k("test")[:3]:
         want = _chat(servers["plain"], record["question"])
@@ -228,7 +228,7 @@ def test_sampled_tokens_with_penalties_follow_the_target(servers, name):
     x 2 settings x 500 samples of 10 tokens, each sampled token scored against the target's conditional
     distribution given the sampled prefix, penalised by that prefix (``serving_checks.apply_penalties``). The plain
     server passing shows the oracle is SGLang's sampler."""
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
 
     cases = [(ids, s) for ids in checks.chat_prompt_ids(EMBEDDED) for s in PENALTY_SETTINGS]
     stats = checks.sampled_position_stats(servers[name], load_model(str(EMBEDDED)), cases, SAMPLES_PER_CASE,

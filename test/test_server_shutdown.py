@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sglang_tree_v4 import launcher
+from sglang_tree_v4.testing import launcher
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parents[1]

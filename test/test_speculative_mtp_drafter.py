@@ -13,7 +13,7 @@ import torch
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
 from sglang_tree_v4.dsv4.mtp import mtp_forward, new_mtp_store, new_streams_store
-from sglang_tree_v4.dsv4.runner import DSV4Runner
+from sglang_tree_v4.testing.runner import DSV4Runner
 from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
 from sglang_tree_v4.speculative.mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_prefill, catch_up_start,
                                                     deferred_start, mtp_window_from, prefill_span)

@@ -1,4 +1,4 @@
-"""The whole draft -> verify -> commit -> MTP catch-up loop (``speculative.offline``) on the embedded trained model,
+"""The whole draft -> verify -> commit -> MTP catch-up loop (``testing.offline``) on the embedded trained model,
 whose MTP agrees with the target often enough that drafts are accepted: greedy output identical to plain decoding,
 speculation demonstrably exercised (accepted drafts > 0, fewer verify rounds than tokens), and the MTP state left by
 the loop equal to the MTP run straight over the committed sequence."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.weights import load_model
-from sglang_tree_v4.speculative.offline import plain_greedy, speculative_greedy
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.checkpoint.weights import load_model
+from sglang_tree_v4.testing.offline import plain_greedy, speculative_greedy
 from support.serving_checks import chat_prompt_ids
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"

@@ -1,5 +1,5 @@
 """The embedded checkpoint ``models/tiny-v4``: loads through transformers (config + tokenizer, as SGLang's loader
-does) and through ``dsv4.weights``, keeps every V4 mechanism, and its incremental greedy decoding (prefill + one
+does) and through ``checkpoint.weights``, keeps every V4 mechanism, and its incremental greedy decoding (prefill + one
 token at a time over the slot store) reproduces the argmaxes of one full-sequence forward over the same tokens."""
 from pathlib import Path
 
@@ -34,8 +34,8 @@ def test_every_mechanism_and_size():
 
 def test_runner_greedy_matches_full_forward():
     from transformers import AutoTokenizer
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.checkpoint.weights import load_model
     model = load_model(str(MODEL))
     assert len(model.mtp) == 1
     tok = AutoTokenizer.from_pretrained(MODEL)

@@ -10,7 +10,9 @@ import re
 
 import pytest
 
-from sglang_tree_v4 import launcher as srv, prompts
+from sglang_tree_v4.testing import launcher as srv
+
+from sglang_tree_v4.testing import prompts
 from support.serving_checks import assert_speculation_exercised
 from test_engine_offline import EMBEDDED, reference_greedy
 

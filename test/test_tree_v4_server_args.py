@@ -11,7 +11,7 @@ import pytest
 
 from sglang_tree_v4.speculative.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, draft_score_temperature,
                                              max_tree_nodes, validate_budget, validate_model)
-from sglang_tree_v4 import launcher as srv
+from sglang_tree_v4.testing import launcher as srv
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -75,7 +75,7 @@ def test_launcher_stops_with_the_flag_named():
 
 @pytest.mark.server
 def test_a_plain_kv_pool_is_refused_naming_the_flag():
-    """The state needs SGLang's hybrid sliding-window pool (``dsv4.sglang_pool``); asking SGLang for a plain pool
+    """The state needs SGLang's hybrid sliding-window pool (``serving.sglang_pool``); asking SGLang for a plain pool
     stops the server at startup with a message naming the flag, instead of mis-sizing the pool."""
     proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(EMBEDDED),
                            "--disable-hybrid-swa-memory", "--port", str(srv.free_port())],
@@ -109,7 +109,7 @@ def test_another_speculative_algorithm_is_refused_on_the_cpu():
 
 def test_default_page_holds_whole_blocks():
     from sglang_tree_v4.dsv4.config import DSV4Config, read_checkpoint_config
-    from sglang_tree_v4.dsv4.sglang_pool import check_page_size
+    from sglang_tree_v4.serving.sglang_pool import check_page_size
     cfg = DSV4Config.from_dict(read_checkpoint_config(str(EMBEDDED)))
     assert check_page_size(cfg, None) == 16 and check_page_size(cfg, 64) == 64
     with pytest.raises(ValueError, match="--page-size 4"):

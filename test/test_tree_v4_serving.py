@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_tree_v4 import launcher as srv, prompts
-from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
+
+from sglang_tree_v4.testing import prompts
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from sglang_tree_v4.speculative.step_timer import verify_widths
 from support import serving_checks as checks
@@ -106,7 +108,7 @@ def test_accept_length_reported(servers, greedy_outputs):
 def test_served_acceptance_is_the_offline_loops(servers, greedy_outputs, target_model, shape):
     """The served MTP (prefill rounds over the prompt's last window from their own streams, catch-ups from the
     few streams per page the pool keeps, the overlap schedule on the tree server) drafts what the offline loop's
-    MTP drafts (``speculative.offline``: every stream kept, the MTP over the whole prompt): tokens per verify round
+    MTP drafts (``testing.offline``: every stream kept, the MTP over the whole prompt): tokens per verify round
     per prompt within 10 % of the loop's, on average within 5 % (``serving_checks.acceptance_vs_offline``). Sharp
     for the streams a catch-up reads (one position off: 0.68x, ``test_negative_controls``); coarse for the MTP's
     window after a prefill, on which the embedded model's drafts depend little (rows never written: 0.98x on
@@ -257,7 +259,7 @@ def sampling_cases():
 
 @pytest.fixture(scope="module")
 def target_model():
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
     return load_model(str(EMBEDDED))
 
 

@@ -22,15 +22,15 @@ import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.mtp import new_mtp_store, new_streams_store
-from sglang_tree_v4.dsv4.quantize import build_model
-from sglang_tree_v4.dsv4.runner import DSV4Runner
-from sglang_tree_v4.dsv4.sglang_model import commit_accepted_entries, verify_table
-from sglang_tree_v4.dsv4.sglang_pool import entry_ratios
+from sglang_tree_v4.checkpoint.swap import build_model
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.serving.sglang_model import commit_accepted_entries, verify_table
+from sglang_tree_v4.serving.sglang_pool import entry_ratios
 from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_token_layouts,
                                          paged_layouts)
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
-from sglang_tree_v4.dsv4.weights import load_model
+from sglang_tree_v4.checkpoint.weights import load_model
 from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
 from sglang_tree_v4.tree import (DraftStep, DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy,
                                  verify_sampling)
@@ -305,7 +305,7 @@ def meaningful_rows(runner, slots, positions):
 def test_sglang_tree_mask_ancestry_matches_tree_paths():
     """The adapter reads each node's ancestry from SGLang's tree mask by a scatter (no ``nonzero``); on random
     padded trees it must give, per node and depth, the slot of the ancestor that ``tree_paths`` names."""
-    from sglang_tree_v4.dsv4.sglang_model import tree_ancestor_slots
+    from sglang_tree_v4.serving.sglang_model import tree_ancestor_slots
     from sglang_tree_v4.dsv4.tree_state import tree_paths
 
     rng = random.Random(9)

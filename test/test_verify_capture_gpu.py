@@ -16,7 +16,7 @@ MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
 
 def prepared(model, prompts, D):
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     runner = DSV4Runner(model, num_slots=1024, max_len=128, max_reqs=len(prompts))
     rids = [runner.add_request() for _ in prompts]
@@ -29,7 +29,7 @@ def prepared(model, prompts, D):
 def test_captured_step_replays_the_eager_step():
     from sglang_tree_v4.dsv4.storage import StepCaps
     from sglang_tree_v4.dsv4.verify_step import verify_step
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.tree import DraftTree
 
     with torch.device("cuda"):  # built there: rope tables included, so nothing is copied to the GPU inside the step

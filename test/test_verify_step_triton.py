@@ -29,10 +29,10 @@ def test_verify_step_with_triton_kernels_equals_reference():
 def _child() -> None:
     import random
 
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.dsv4.storage import StepCaps
     from sglang_tree_v4.dsv4.verify_step import verify_step
-    from sglang_tree_v4.dsv4.weights import load_model
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.tree import DraftTree, SamplingParams, VerifyCoins
 
     torch.set_num_threads(1)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tree_v4 import launcher as srv
-from sglang_tree_v4.dsv4.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
 from support import serving_checks as checks
 from test_tree_v4_serving import COMMON, EMBEDDED, TREE, target_model  # noqa: F401 (a fixture)

@@ -1,7 +1,7 @@
 """Checkpoints in the formats users bring, written to disk by the tools that write them, and their HF references.
 
 * ``published_checkpoint``: the embedded trained model re-written in DeepSeek's published V4-Flash layout
-  (``dsv4.weights.save_published``: FP8 block-scaled attention / shared experts / MTP projections, FP4 experts, two
+  (``checkpoint.weights.save_published``: FP8 block-scaled attention / shared experts / MTP projections, FP4 experts, two
   or more shards + index, DeepSeek names incl. ``mtp.0.*``), with the embedded tokenizer. Trained, so the
   quantized MTP still agrees with the quantized target and drafts are accepted.
 * ``save_pretrained_checkpoint``: a random HF ``DeepseekV4ForCausalLM`` written by transformers' own
@@ -19,7 +19,7 @@ import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.dsv4.weights import iter_safetensors, load_model, load_state, save_published, to_internal
+from sglang_tree_v4.checkpoint.weights import iter_safetensors, load_model, load_state, save_published, to_internal
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "models" / "tiny-v4"
@@ -38,7 +38,7 @@ def published_checkpoint(out: Path) -> Path:
 
 
 def save_pretrained_checkpoint(out: Path, seed: int = 0) -> Path:
-    from dsv4_tiny import build_hf
+    from support.hf_reference import build_hf
     hf = build_hf(8, seed=seed, vocab=3072)
     hf.save_pretrained(out)
     _copy_tokenizer(out)

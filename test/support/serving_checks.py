@@ -21,7 +21,9 @@ from pathlib import Path
 import requests
 import torch
 
-from sglang_tree_v4 import launcher, prompts
+from sglang_tree_v4.testing import launcher
+
+from sglang_tree_v4.testing import prompts
 
 MUTATIONS_DIR = Path(__file__).resolve().parent / "mutations"
 
@@ -118,7 +120,7 @@ def window_read_violations(server, model, n_prompts: int = 4, new_tokens: int = 
     ids = [server.post("/tokenize", {"prompt": t}).json()["tokens"] for t in texts]
     sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     outs = run_all(server, [{"input_ids": p} for p in ids], sampling)
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     longest = max(len(p) for p in ids) + new_tokens
     runner = DSV4Runner(model, num_slots=longest + 16, max_len=longest + 1, max_reqs=1)
@@ -228,7 +230,7 @@ def score_against_target(model, prompt_ids: list[int], setting: dict, samples: l
     probabilities. Conditionals come from our model run teacher-forced on the sampled prefix (the same checkpoint
     and float32 math as the server, its entries kept as the server keeps them: ``entry_format``), processed like
     SGLang's sampler (``tree.target_probs``)."""
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.tree import SamplingParams, target_probs
 
     chunk = 64
@@ -315,11 +317,11 @@ def sampled_position_stats(server, model, cases: list[tuple[list[int], dict]], n
 def acceptance_vs_offline(tokenizer_server, model, model_path, shape_args: list[str], items: list[dict],
                           outputs: list[dict], new_tokens: int) -> list[float]:
     """Per served greedy output of ``items`` (text prompts): its tokens per verify round over those of the offline
-    loop (``speculative.offline.speculative_greedy``, every stream kept, the MTP over the whole prompt) with the
+    loop (``testing.offline.speculative_greedy``, every stream kept, the MTP over the whole prompt) with the
     server's tree shape (``shape_args``: its flags) and draft score temperature. A served MTP that drafts from
     stale or missing rows (e.g. after a prefill) accepts less than the loop."""
-    from sglang_tree_v4.dsv4.runner import DSV4Runner
-    from sglang_tree_v4.speculative.offline import speculative_greedy
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.testing.offline import speculative_greedy
     from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature
 
     D, K, S = (int(shape_args[shape_args.index(flag) + 1]) for flag in (

@@ -36,7 +36,7 @@ def cpu_binding(ranks: int) -> str:
 def apply_cpu_defaults(original, self, *args, **kwargs):
     """AROUND hook on ``ServerArgs.resolve_once``: fill CPU defaults, then resolve as usual."""
     from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
-    from ..dsv4.sglang_pool import check_page_size, is_tree_v4
+    from ..serving.sglang_pool import check_page_size, is_tree_v4
 
     if not getattr(self, "_resolution_finished", False):
         if self.max_total_tokens is None and self.mem_fraction_static is None:  # no budget asked for
@@ -48,7 +48,7 @@ def apply_cpu_defaults(original, self, *args, **kwargs):
             self.dtype = "float32"
         if v4 and self.swa_full_tokens_ratio is None:
             self.swa_full_tokens_ratio = CPU_SWA_FULL_TOKENS_RATIO
-        if v4:  # pages of whole compression blocks (``dsv4.sglang_pool``)
+        if v4:  # pages of whole compression blocks (``serving.sglang_pool``)
             self.page_size = check_page_size(DSV4Config.from_dict(read_checkpoint_config(self.model_path)),
                                              self.page_size)
         algorithm = getattr(self, "speculative_algorithm", None)

@@ -22,7 +22,7 @@ from .compressor import Compressor, Indexer
 from .hca_compressor import HcaCompressor
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .norm import RMSNorm, rms
-from .quantized import dense_weight
+from sgl_kernel_ext.weight_formats import dense_weight
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore
 

@@ -58,7 +58,7 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``. ``expert(e)`` gives one expert's float
-    weights; a quantized subclass (``quantized.FP4Experts``) keeps them packed and dequantises them for its
+    weights; a quantized subclass (``quantized_modules.FP4Experts``) keeps them packed and dequantises them for its
     grouped matmuls. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the model's and
     adds only their share of each token (the ranks' shares are summed by an all-reduce, see ``tp``)."""
 

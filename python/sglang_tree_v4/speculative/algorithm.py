@@ -11,7 +11,7 @@ import os
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from ..dsv4.sglang_pool import TREE_V4
+from ..serving.sglang_pool import TREE_V4
 
 NAME = TREE_V4
 SERVER_INFO_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."

@@ -4,7 +4,7 @@ Four hooks: where SGLang parses a checkpoint's config, a V4 config is replaced b
 architecture and asks for the hybrid sliding-window KV pool our state lives in, with the checkpoint's own config
 kept for our model; our class is put in SGLang's model registry under that name; and where SGLang picks its KV
 pool class it gets ours, whose layers each have their own width and whose entry layers have a row per block and
-the tree scratch (``dsv4.sglang_pool``; the scratch is sized by the running-request capacity SGLang builds the
+the tree scratch (``serving.sglang_pool``; the scratch is sized by the running-request capacity SGLang builds the
 pools with, which the fourth hook notes). With the architecture
 renamed, none of SGLang's own DeepSeek-V4 special cases (its CUDA-only pool, backend and the topk == 1 assertion)
 fire.
@@ -47,8 +47,8 @@ def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1)
     from transformers import PretrainedConfig
 
     from ..dsv4.config import DSV4Config
-    from ..dsv4.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
-    from ..dsv4 import sglang_pool as sp
+    from ..serving.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
+    from ..serving import sglang_pool as sp
 
     cfg = DSV4Config.from_dict(raw)
     window, token = sp.window_layer_widths(cfg), sp.token_layer_widths(cfg)
@@ -85,7 +85,7 @@ def before_get_architecture(model_config, *args, **kwargs):
     """BEFORE hook on ``get_model_architecture``: register our class under our architecture name."""
     from sglang.srt.models.registry import ModelRegistry
 
-    from ..dsv4.sglang_model import ARCHITECTURE, TreeV4DeepseekV4ForCausalLM
+    from ..serving.sglang_model import ARCHITECTURE, TreeV4DeepseekV4ForCausalLM
 
     if ModelRegistry.models.get(ARCHITECTURE) is not TreeV4DeepseekV4ForCausalLM:
         ModelRegistry.models[ARCHITECTURE] = TreeV4DeepseekV4ForCausalLM
@@ -95,7 +95,7 @@ def before_get_architecture(model_config, *args, **kwargs):
 def chat_encoding(original, *args, **kwargs):
     """AROUND hook on ``resolve_chat_encoding_spec``: a V4 checkpoint served by our model uses its own chat
     template when it ships one (the embedded model does), else DeepSeek's V4 encoder as stock SGLang would."""
-    from ..dsv4.sglang_model import ARCHITECTURE
+    from ..serving.sglang_model import ARCHITECTURE
 
     hf_config, tokenizer = kwargs.get("hf_config"), kwargs.get("tokenizer")
     if (getattr(hf_config, "architectures", None) or [None])[0] == ARCHITECTURE and kwargs.get("tool_call_parser") is None:
@@ -107,8 +107,8 @@ def state_pool(original, configurator, *args, **kwargs):
     """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pools (both
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
-    from ..dsv4.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
-    from ..dsv4.sglang_pool import model_state_pool_class, scratch_rows_of, verify_tokens_of
+    from ..serving.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
+    from ..serving.sglang_pool import model_state_pool_class, scratch_rows_of, verify_tokens_of
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
@@ -131,9 +131,9 @@ def entry_dtype(original, runner, *args, **kwargs):
     gets the compressor ring's share (``sglang_pool.swa_head_dim``)."""
     import torch
 
-    from ..dsv4 import sglang_pool as sp
+    from ..serving import sglang_pool as sp
     from ..dsv4.config import DSV4Config
-    from ..dsv4.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
+    from ..serving.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
 
     out = original(runner, *args, **kwargs)
     hf_config = getattr(runner.model_config, "hf_config", None)

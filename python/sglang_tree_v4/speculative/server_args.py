@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
-from ..dsv4.sglang_pool import check_page_size
+from ..serving.sglang_pool import check_page_size
 
 
 # Defaults when only --speculative-algorithm TREE_V4 is given: a real tree (K > 1). Among the D = 8 tree shapes

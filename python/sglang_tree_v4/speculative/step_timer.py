@@ -30,7 +30,7 @@ import time
 import torch
 
 from ..dsv4.mtp import draft_scratch_rows, new_mtp_store, new_streams_store
-from ..dsv4.sglang_model import fixed_shapes, verify_caps, verify_table
+from ..serving.sglang_model import fixed_shapes, verify_caps, verify_table
 from ..dsv4.storage import ForwardBatch
 from ..tree import build_draft_tree
 from .adaptive_budget import Curve, StepTimes

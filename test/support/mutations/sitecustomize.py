@@ -134,7 +134,7 @@ PATCHES = {
     "wrong_token": ("sglang_tree_v4.speculative.worker", _wrong_token),
     "leak_aborted": ("sglang.srt.mem_cache.common", _leak_aborted),
     "biased_accept": ("sglang_tree_v4.speculative.worker", _biased_accept),
-    "short_window": ("sglang_tree_v4.dsv4.sglang_pool", _short_window),
+    "short_window": ("sglang_tree_v4.serving.sglang_pool", _short_window),
     "ring_stored_only": ("sglang_tree_v4.dsv4.compressor", _ring_stored_only),
     "stream_off_by_one": ("sglang_tree_v4.speculative.mtp_drafter", _stream_off_by_one),
     "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),

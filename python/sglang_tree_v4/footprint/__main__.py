@@ -4,13 +4,13 @@
     python -m sglang_tree_v4.footprint PATH_OR_CONFIG_JSON [--tp N] [--tp-rank R] [--dtype bfloat16]
         [--tokens T --requests R --kv-cache-dtype auto --speculative-num-draft-tokens D ... --context-length C]
 
-It builds the very model the server builds (``dsv4.quantize.build_model``: the checkpoint's quantization swapped
-in, then ``dsv4.tp.shard_model``: rank R's share of SGLang's parallel layers for ``--tp N``) on the meta device,
+It builds the very model the server builds (``checkpoint.swap.build_model``: the checkpoint's quantization swapped
+in, then ``checkpoint.tp.shard_model``: rank R's share of SGLang's parallel layers for ``--tp N``) on the meta device,
 which costs no memory, and sums its tensors; nothing here is a formula. No process group is needed: SGLang's
 layers are built under a parallel-context override naming the rank and size. The last line of output is one JSON
 object: ``param_bytes_per_rank``, ``param_bytes_by_dtype``, ``construct_s`` and the inputs; with ``--tokens``
 also ``state_bytes_per_token`` (the slope), ``state_bytes_per_request`` (the intercept: draft-tree slots and the
-``req_to_token`` row), ``state_bytes_by_kind`` and upstream's fp8 figures beside them (``state_footprint``). The
+``req_to_token`` row), ``state_bytes_by_kind`` and upstream's fp8 figures beside them (``footprint.state``). The
 state is per rank and the same on every rank: the per-slot rows are not split by tensor parallelism.
 """
 
@@ -29,9 +29,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def report(path: str, tp: int = 1, dtype: str = "bfloat16", tp_rank: int = 0) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
-    from .dsv4.config import DSV4Config
-    from .dsv4.quantize import build_model, parameter_bytes
-    from .dsv4.tp import shard_model
+    from ..dsv4.config import DSV4Config
+    from ..checkpoint.swap import build_model, parameter_bytes
+    from ..checkpoint.tp import shard_model
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(file) as f:
@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--tp-rank must be in [0, --tp)")
     if args.tokens is not None and (args.tokens < 0 or args.requests < 0):
         ap.error("--tokens and --requests must be >= 0")
-    from .state_footprint import KV_CACHE_DTYPES
+    from .state import KV_CACHE_DTYPES
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         ap.error(f"--kv-cache-dtype {args.kv_cache_dtype}: one of {sorted(KV_CACHE_DTYPES)} (fp8_e4m3: the "
                  f"compressed entries and window keys as fp8, the rest in --dtype)")
-    from .dsv4.config import ConfigError
+    from ..dsv4.config import ConfigError
     try:
         out = report(args.path, args.tp, args.dtype, args.tp_rank)
         if args.tokens is not None:
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _state(args) -> dict:
-    from .speculative.server_args import validate_budget
-    from .state_footprint import KV_CACHE_DTYPES, state_report
+    from ..speculative.server_args import validate_budget
+    from .state import KV_CACHE_DTYPES, state_report
 
     file = os.path.join(args.path, "config.json") if os.path.isdir(args.path) else args.path
     with open(file) as f:

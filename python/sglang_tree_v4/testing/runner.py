@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .model import DSV4Model, ModelOutput
-from .mtp import mtp_forward, new_mtp_store
-from .storage import ForwardBatch, SlotStore, SlotTable
+from ..dsv4.model import DSV4Model, ModelOutput
+from ..dsv4.mtp import mtp_forward, new_mtp_store
+from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
 
 
 class SlotAllocator:

@@ -18,8 +18,8 @@ from typing import Mapping
 
 import torch
 
-from .config import DSV4Config, read_checkpoint_config
-from .quantized import FP4_GROUP, dequantize_fp4, e8m0_bytes, e8m0_to_float
+from ..dsv4.config import DSV4Config, read_checkpoint_config
+from sgl_kernel_ext.weight_formats import FP4_GROUP, dequantize_fp4, e8m0_bytes, e8m0_to_float
 
 
 class CheckpointError(ValueError):
@@ -154,7 +154,7 @@ class StreamingLoader:
     this rank holds. Fed safetensors slice handles (``iter_safetensors(..., lazy=True)``), the loader reads from
     disk only that slice, and never reads another rank's experts at all.
 
-    A target that is kept quantized (``quantized.FP8BlockLinear``, ``quantized.FP4Experts``) receives the weight and
+    A target that is kept quantized (``quantized_modules.FP8BlockLinear``, ``quantized_modules.FP4Experts``) receives the weight and
     its scale as stored; a dense target receives the dequantised weight, so a quantized weight waits here only until
     its scale arrives (a weight and its scale live in the same file). ``finish`` names what is missing, left
     unpaired or unexpected. Every check names the checkpoint tensor and what was expected."""
@@ -365,8 +365,8 @@ def checkpoint_names(path: str) -> list[str]:
 
 def load_model(path: str, with_mtp: bool = True, dtype: torch.dtype = torch.float32):
     """Config (``config.json``, either layout) + weights (all ``*.safetensors``, streamed) -> ``DSV4Model`` in eval
-    mode, kept quantized where the config declares it (``quantize.build_model``)."""
-    from .quantize import build_model
+    mode, kept quantized where the config declares it (``swap.build_model``)."""
+    from .swap import build_model
     cfg = DSV4Config.from_pretrained(path)
     with_mtp = with_mtp and any(k.startswith("mtp.") for k in checkpoint_names(path))
     model = build_model(cfg, read_checkpoint_config(path), with_mtp=with_mtp, dtype=dtype)
@@ -396,7 +396,7 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
         json.dump(model.cfg.to_deepseek_dict(), f, indent=1)
 
 
-# DeepSeek's published dtypes for the tensors that are not quantized (``../shared/notes/v4_checkpoint_format.md``)
+# DeepSeek's published dtypes for the tensors that are not quantized
 _FLOAT32_RE = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
 
 
@@ -408,8 +408,8 @@ def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 <
     plus ``model.safetensors.index.json``, and a DeepSeek ``config.json`` declaring the quantization."""
     from safetensors.torch import save_file
 
-    from .quantize import FP8_LINEARS
-    from .quantized import quantize_fp4, quantize_fp8_block
+    from .swap import FP8_LINEARS
+    from sgl_kernel_ext.weight_formats import quantize_fp4, quantize_fp8_block
 
     os.makedirs(path, exist_ok=True)
     groups: list[dict[str, torch.Tensor]] = []

@@ -22,10 +22,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from .config import ConfigError, DSV4Config
-from .moe import Experts
-from .quantized import FP8_BLOCK, FP4Experts, FP8BlockLinear
-from .rope import ropes_for
+from ..dsv4.config import ConfigError, DSV4Config
+from ..dsv4.moe import Experts
+from sgl_kernel_ext.weight_formats import FP8_BLOCK
+from .quantized_modules import FP4Experts, FP8BlockLinear
+from ..dsv4.rope import ropes_for
 
 FP8_LINEARS = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                          r"|e_proj|h_proj)$")
@@ -80,7 +81,7 @@ def build_model(cfg: DSV4Config, raw_config: Mapping[str, Any] | None = None, wi
     """``DSV4Model`` with the checkpoint's quantization, parameters allocated (uninitialised) on ``device``
     (default: torch's current default device; ``"meta"`` to only measure it). ``shard``: a second swap step run on
     the meta model before anything is allocated (``tp.shard_model``: this rank's share of every module)."""
-    from .model import DSV4Model
+    from ..dsv4.model import DSV4Model
     device = torch.device(device) if device is not None else torch.get_default_device()
     with torch.device("meta"):
         model = DSV4Model(cfg, with_mtp=with_mtp)

@@ -6,7 +6,7 @@ import torch
 
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.dsv4.weights import load_state
+from sglang_tree_v4.checkpoint.weights import load_state
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -72,7 +72,7 @@ def ours_from_hf(hf, with_mtp: bool = False) -> DSV4Model:
 
 
 def _ds(k: str) -> str:
-    from sglang_tree_v4.dsv4.weights import to_deepseek
+    from sglang_tree_v4.checkpoint.weights import to_deepseek
     return to_deepseek(k)
 
 

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
-from .attention import Attention
-from .config import ConfigError
-from .moe import MoE
-from .quantized import FP8_BLOCK, FP8_DTYPE, FP8BlockLinear, fp8_block_matmul
+from ..dsv4.attention import Attention
+from ..dsv4.config import ConfigError
+from ..dsv4.moe import MoE
+from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE, fp8_block_matmul
+from .quantized_modules import FP8BlockLinear
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def _fp8_method():
 
     class FP8BlockMethod(LinearMethodBase):
         """Our FP8 e4m3 weights with 128 x 128 power-of-two block scales inside SGLang's linear layers; the matmul
-        dequantises one block of rows at a time (``quantized.fp8_block_matmul``: the CPU path; on a GPU the place
+        dequantises one block of rows at a time (``weight_formats.fp8_block_matmul``: the CPU path; on a GPU the place
         for SGLang's FP8 block GEMM)."""
 
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,

@@ -26,13 +26,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .config import DSV4Config
-from .quantize import build_model, parameter_bytes
-from .tp import shard_model
+from ..dsv4.config import DSV4Config
+from ..checkpoint.swap import build_model, parameter_bytes
+from ..checkpoint.tp import shard_model
 from .sglang_pool import entry_ratios, window_layer_widths
-from .storage import (LayerLayout, SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts,
+from ..dsv4.storage import (LayerLayout, SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts,
                       mtp_layouts, paged_layouts, streams_layouts)
-from .weights import StreamingLoader, iter_safetensors
+from ..checkpoint.weights import StreamingLoader, iter_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ import math
 
 import torch
 
-from .config import DSV4Config
-from .mtp import draft_scratch_rows
-from .storage import (entry_layer_rows, model_token_layouts, mtp_layouts, paged_layouts, ring_period, ring_rows,
+from ..dsv4.config import DSV4Config
+from ..dsv4.mtp import draft_scratch_rows
+from ..dsv4.storage import (entry_layer_rows, model_token_layouts, mtp_layouts, paged_layouts, ring_period, ring_rows,
                       streams_layouts)
 
 logger = logging.getLogger(__name__)

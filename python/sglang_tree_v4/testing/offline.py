@@ -1,4 +1,4 @@
-"""TREE_V4's decode loop without SGLang, over a ``dsv4.runner.DSV4Runner``: for offline accept-length measurements
+"""TREE_V4's decode loop without SGLang, over a ``testing.runner.DSV4Runner``: for offline accept-length measurements
 and for tests that need the whole draft -> verify -> commit -> MTP catch-up cycle on a real checkpoint.
 
 It drafts with the same ``mtp_drafter.MTPTreeDrafter`` and ``tree.build_draft_tree`` the SGLang worker runs, verifies
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dsv4.block import ModelOutput
-from ..dsv4.runner import DSV4Runner
+from .runner import DSV4Runner
 from ..dsv4.tree_state import TreeVerifier
 from ..tree import build_draft_tree, verify_greedy
-from .mtp_drafter import MTPTreeDrafter
+from ..speculative.mtp_drafter import MTPTreeDrafter
 
 
 @dataclass

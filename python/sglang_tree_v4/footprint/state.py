@@ -1,7 +1,7 @@
 """The attention state our server holds per token and per running request, and what upstream SGLang would hold.
 
 Why: at V4-Flash shapes the state decides how many tokens a GPU can serve. Our state lives in SGLang's hybrid
-sliding-window pool (``dsv4.sglang_pool``): per token slot, its share of the entry rows (one row per block of
+sliding-window pool (``serving.sglang_pool``): per token slot, its share of the entry rows (one row per block of
 ``r`` slots in each compressed layer, plus SGLang's one-column V buffer per layer) -- the *token* bytes -- and a
 *window row* per position of each request's last window (keys, the MTP's keys, and its share of the ring --
 CSA compressor rows, HCA running states, the MTP's input streams: ``ring_period`` rows per page of window rows), plus
@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import torch
 
-from .dsv4.config import CSA, HCA, DSV4Config
-from .dsv4.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
+from ..dsv4.config import CSA, HCA, DSV4Config
+from ..serving.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
                                ring_layouts, state_page_size, token_layer_widths)
-from .dsv4.mtp import draft_scratch_rows
-from .dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
-from .speculative.model_override import sglang_config
+from ..dsv4.mtp import draft_scratch_rows
+from ..dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
+from ..speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
                  "ikv": "compressor_rows", "iscore": "compressor_rows", "cstate": "compressor_rows",
@@ -49,7 +49,7 @@ KV_CACHE_DTYPES = {"auto": (None, None), "bfloat16": (torch.bfloat16, None), "bf
 
 def measured_bytes_per_row(cfg: DSV4Config, pool_config, dtype: torch.dtype,
                            entry_format: str | None = None, verify_tokens: int = 1) -> dict[str, float]:
-    """Bytes of the pool the server builds (``dsv4.sglang_pool``, with the arguments SGLang passes from
+    """Bytes of the pool the server builds (``serving.sglang_pool``, with the arguments SGLang passes from
     ``pool_config``, at its page size), from real allocations: ``{"token": per token slot, "window": per window
     row (with its share of the CSA compressor ring, sized for ``verify_tokens``), "scratch": per draft-node entry
     scratch row, "mtp_scratch": per MTP draft scratch row}``."""
