@@ -1,9 +1,9 @@
 """What the adaptive budget would choose for DeepSeek-V4-Flash on GPUs: the server's own policy
-(``speculative.adaptive_budget.AdaptivePolicy``) fed with the cost model's step times at V4-Flash shapes
+(``speculative.adaptive.AdaptivePolicy``) fed with the cost model's step times at V4-Flash shapes
 (``cost_model.GpuAssumptions``: 4 x H200, TP4, stated, not measured) and the accept lengths the CPU sweep measured
 for the fixed shapes (accept lengths depend on model and data, not on the hardware).
 
-    python benchmark/adaptive_policy_gpu.py benchmark/results/adaptive_cpu.jsonl [--batch-sizes 1 4 16 32 64]
+    python benchmark/adaptive_policy_gpu.py benchmark/results/adaptive_vs_none_cpu.jsonl [--batch-sizes 1 4 16 32 64]
 
 Prints, per dataset and batch size, the shape the policy picks and the predicted tokens/s of every candidate
 (no speculation and each fixed tree shape of the sweep), as a markdown table.
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 from cost_model import GpuAssumptions, step_ms  # noqa: E402
 
-from sglang_tree_v4.speculative.adaptive_budget import NO_SPECULATION, AdaptivePolicy, WARMUP_STEPS  # noqa: E402
+from sglang_tree_v4.speculative.adaptive import DEFAULT, NO_SPECULATION, AdaptivePolicy  # noqa: E402
 
 
 class CostModelTimes:
@@ -61,7 +61,7 @@ def main() -> None:
             policy.menu = [NO_SPECULATION] + [(d, s) for d, _, s in shapes]
             for (d, s), a in accept.items():
                 policy.stats.sum[s, d], policy.stats.weight[s, d] = a, 1.0
-            policy.steps = WARMUP_STEPS  # past the warm-up, not at an exploration step
+            policy.steps = DEFAULT.WARMUP_STEPS  # past the warm-up, not at an exploration step
             pick = policy.choose(b)
             rates = [b / times.predict(b, NO_SPECULATION)] + [b * accept[(d, s)] / times.predict(b, (d, s))
                                                               for d, _, s in shapes]

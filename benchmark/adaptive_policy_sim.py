@@ -26,6 +26,7 @@ noise model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -33,7 +34,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from sglang_tree_v4.speculative import adaptive_budget as ab  # noqa: E402
+from sglang_tree_v4.speculative.adaptive.config import DEFAULT, PolicyConfig  # noqa: E402
+from sglang_tree_v4.speculative.adaptive.policy import NO_SPECULATION, AdaptivePolicy  # noqa: E402
+from sglang_tree_v4.speculative.adaptive.timing import Curve, StepTimes  # noqa: E402
 
 # Tokens per step by (D, S) (K = 3), as the policy's statistics would hold them.
 ACCEPT = {(1, 0): 1.0, (2, 1): 1.69, (3, 1): 1.84, (4, 1): 1.90, (3, 2): 2.12, (4, 2): 2.33, (5, 2): 2.45,
@@ -48,7 +51,7 @@ SCENARIOS = {
     "batch32": (32, 3.4, 10.0, 19.0, 0.14, 2.6),
     "batch32_long_prompts": (32, 3.4, 10.0, 19.0, 0.42, 2.6),  # verification costly: no speculation is best
     "batch64": (64, 4.0, 16.0, 20.0, 0.16, 4.0),
-    # Served at batch 32 on GSM8K in the 2a7fd4f sweep: no speculation 22 ms, D2 S1 40 ms, D4 S2 58 ms, D8 S4 ~90 ms
+    # As served at batch 32 on GSM8K on the CPU: no speculation 22 ms, D2 S1 40 ms, D4 S2 58 ms, D8 S4 ~90 ms
     # a step: no tree pays, the best (D2 S1) is 7 % behind.
     "batch32_none_ahead": (32, 3.4, 9.3, 15.4, 0.1, 7.8),
 }
@@ -62,28 +65,29 @@ def true_ms(scenario: str, shape: tuple[int, int], hidden_per_token: float = 0.0
     return fixed + drafting + v0 + per_token * batch * d
 
 
-def _startup_model(scenario: str, rng: random.Random, error: float) -> ab.StepTimes:
+def _startup_model(scenario: str, rng: random.Random, error: float, config: PolicyConfig = DEFAULT) -> StepTimes:
     """What the startup measurement would give: the true costs, each curve point off by a factor between
     1 / ``error`` and ``error`` (log-uniform)."""
     batch = SCENARIOS[scenario][0]
-    times = ab.StepTimes()
-    none = true_ms(scenario, ab.NO_SPECULATION)
+    times = StepTimes(config=config)
+    none = true_ms(scenario, NO_SPECULATION)
 
     def off():
         return math.exp(rng.uniform(-math.log(error), math.log(error)))
 
     for s in range(1, 5):
-        times.draft[s] = ab.Curve({batch: (true_ms(scenario, (1, s)) - none) / 1e3 * off()})
-    times.verify = {d: ab.Curve({batch: (true_ms(scenario, (d, 0))) / 1e3 * off()}) for d in range(1, 9)}
+        times.draft[s] = Curve({batch: (true_ms(scenario, (1, s)) - none) / 1e3 * off()})
+    times.verify = {d: Curve({batch: (true_ms(scenario, (d, 0))) / 1e3 * off()}) for d in range(1, 9)}
     return times
 
 
 def run(scenario: str, seed: int, steps: int, quiet: bool, startup_error: float = 1.3,
-        hidden_per_token: float = 0.0, overhead: float = 0.0, learn_rest: bool = False) -> float:
+        hidden_per_token: float = 0.0, overhead: float = 0.0, learn_rest: bool = False,
+        config: PolicyConfig = DEFAULT) -> float:
     """The policy's throughput over the best fixed shape's, on one noise sequence."""
     rng = random.Random(seed)
     batch = SCENARIOS[scenario][0]
-    policy = ab.AdaptivePolicy(8, 3, 4, _startup_model(scenario, rng, startup_error))
+    policy = AdaptivePolicy(8, 3, 4, _startup_model(scenario, rng, startup_error, config), config)
     for d, s in policy.menu:
         policy.stats.sum[s, d], policy.stats.weight[s, d] = ACCEPT[(d, s)] * 10, 10
     slow, noise, tokens, seconds = 0.0, [], 0.0, 0.0
@@ -97,7 +101,7 @@ def run(scenario: str, seed: int, steps: int, quiet: bool, startup_error: float 
         policy.times.observe(batch, shape, served)
         if learn_rest:  # the served verify's time over the model's into the rest of the round (not kept: see --help)
             verify = (true_ms(scenario, (shape[0], 0)) + overhead) * factor / 1e3
-            policy.times.rest.add(batch, max(verify - policy.times.verify_time(batch, shape[0]), 0.0))
+            policy.times.observe_rest(batch, max(verify - policy.times.verify_time(batch, shape[0]), 0.0))
         tokens += batch * ACCEPT[shape]
         seconds += served
     fixed = max(batch * ACCEPT[shape] * steps / sum((true_ms(scenario, shape, hidden_per_token) + overhead) * f / 1e3
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="override a constant of adaptive_budget, e.g. PROBE_EVERY=16")
+                    help="override a field of the policy's PolicyConfig, e.g. PROBE_EVERY=16 "
+                         "(a pair: FIT_MACHINE=0.9,0.1)")
     ap.add_argument("--quiet-machine", action="store_true")
     ap.add_argument("--startup-error", type=float, default=1.3,
                     help="each point of the startup model off by a factor up to this (a startup measured while "
@@ -127,17 +132,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="learn the served verify's excess over the model online into the rest-of-round curve, as "
                          "a worker could (tried, not kept: 24 seeds, median 0.949-0.956 against 0.967 without)")
     args = ap.parse_args(argv)
+    overrides = {}
     for item in args.set:
         name, value = item.split("=")
-        if not hasattr(ab, name):
-            raise SystemExit(f"adaptive_budget has no constant {name}")
-        setattr(ab, name, type(getattr(ab, name))(value))
+        if name not in {f.name for f in dataclasses.fields(PolicyConfig)}:
+            raise SystemExit(f"PolicyConfig has no field {name}")
+        default = getattr(DEFAULT, name)
+        overrides[name] = (tuple(type(x)(v) for x, v in zip(default, value.split(","), strict=False))
+                           if isinstance(default, tuple) else type(default)(value))
+    config = dataclasses.replace(DEFAULT, **overrides)
     everything = []
     print("| scenario | policy / best fixed, min | median |")
     print("|---|---|---|")
     for scenario in args.scenarios:
         ratios = [run(scenario, seed, args.steps, args.quiet_machine, args.startup_error, args.hidden_per_token,
-                      args.overhead, args.learn_rest)
+                      args.overhead, args.learn_rest, config)
                   for seed in range(args.seeds)]
         everything += ratios
         print(f"| {scenario} | {min(ratios):.3f} | {statistics.median(ratios):.3f} |")

@@ -9,17 +9,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from test_tree_verify_greedy import target_logits_favouring_tree
 
-from sglang_tree_v4.speculative import adaptive_budget
-from sglang_tree_v4.speculative.adaptive_budget import (EXPLORE_IDLE, EXPLORE_REACH, EXPLORE_SHARE, NO_SPECULATION,
-                                                        PROBE_CHANCE, PROBE_EVERY, SPECULATION_MARGIN, STAY_MARGIN,
-                                                        STAY_MARGIN_BATCH, WARMUP_STEPS, AdaptivePolicy, Curve,
-                                                        StepTimes, counterfactual_accepts, shape_menu, stay_margin)
+from sglang_tree_v4.speculative.adaptive.acceptance import NO_SPECULATION, counterfactual_accepts
+from sglang_tree_v4.speculative.adaptive.config import DEFAULT, PolicyConfig
+from sglang_tree_v4.speculative.adaptive.policy import AdaptivePolicy, batch_tokens, shape_menu, stay_margin
+from sglang_tree_v4.speculative.adaptive.timing import Curve, StepTimes
 from sglang_tree_v4.tree import DraftTree, build_draft_tree, verify_greedy
 from sglang_tree_v4.tree.synthetic import PathHashDrafter
-from test_tree_verify_greedy import target_logits_favouring_tree
 
 VOCAB = 97
 
@@ -64,7 +65,7 @@ def test_statistics_come_from_every_fourth_step_and_every_exploring_run():
     """``learn`` samples the steps (STATS_EVERY) but never skips the largest shape or an exploring run (of a smaller
     shape where that is what exploration covers), the only source of the shapes above the chosen one; the table it
     feeds equals ``expected`` shape by shape."""
-    from sglang_tree_v4.speculative.adaptive_budget import STATS_EVERY
+    STATS_EVERY = DEFAULT.STATS_EVERY
     gen = torch.Generator().manual_seed(0)
     B, D, K, S = 4, 8, 3, 4
     drafter = PathHashDrafter(VOCAB, seed=0)
@@ -73,7 +74,7 @@ def test_statistics_come_from_every_fourth_step_and_every_exploring_run():
     verdict = verify_greedy(tree, target_logits_favouring_tree(tree, gen, hit_rate=0.8))
     policy = AdaptivePolicy(D, K, S, StepTimes())
     updates = []
-    for step in range(3 * STATS_EVERY):
+    for _step in range(3 * STATS_EVERY):
         before = float(policy.stats.weight[1, 2])
         policy.learn(tree, verdict.accepted_nodes, verdict.accept_lens, (2, 1))
         updates.append(float(policy.stats.weight[1, 2]) != before)
@@ -125,7 +126,8 @@ def test_a_cache_file_of_the_old_layout_is_measured_again(tmp_path):
     """A step-time file written by an older version (verification as one curve over B x D) is not read as a
     model: ``read_cache`` answers None and the worker measures again."""
     import json
-    from sglang_tree_v4.speculative.step_timer import read_cache, write_cache
+
+    from sglang_tree_v4.speculative.adaptive.measure import read_cache, write_cache
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"times": {"draft": {"1": {"1": 0.01}}, "verify": {"1": 0.01, "64": 0.03},
                                          "rest": {}}, "measured_s": 2.0}))
@@ -136,29 +138,47 @@ def test_a_cache_file_of_the_old_layout_is_measured_again(tmp_path):
 
 
 def test_startup_times_are_made_non_decreasing_by_pooling_the_points_that_fall():
-    """``step_timer.monotone``: a run of points that falls is replaced by its mean (the least-squares
+    """``measure.monotone``: a run of points that falls is replaced by its mean (the least-squares
     non-decreasing fit), points already in order are kept. Input: a startup measurement of verification at batch
     1 on the CPU (ms, D = 1..8) whose D = 4-6 were timed in a slow stretch."""
-    from sglang_tree_v4.speculative.step_timer import monotone
+    from sglang_tree_v4.speculative.adaptive.measure import monotone
     measured = [8.1, 8.6, 9.1, 14.2, 12.9, 12.6, 14.0, 15.7]
     fitted = monotone(measured)
-    assert fitted != measured and all(a <= b for a, b in zip(fitted, fitted[1:]))
+    assert fitted != measured and all(a <= b for a, b in zip(fitted, fitted[1:], strict=False))
     assert fitted[:3] == measured[:3] and fitted[4] == pytest.approx((14.2 + 12.9 + 12.6) / 3)
     assert sum(fitted) == pytest.approx(sum(measured))
     assert monotone([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
     assert monotone([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0] and monotone([]) == []
 
 
-def _policy(draft_s: float, verify_per_token: float, accepted: float) -> AdaptivePolicy:
+def _policy(draft_s: float, verify_per_token: float, accepted: float,
+            config: PolicyConfig = DEFAULT) -> AdaptivePolicy:
     times = StepTimes({s: Curve({1: draft_s * s, 64: draft_s * s * 4}) for s in range(1, 5)},
                       {d: Curve({b: 0.01 + verify_per_token * b * d for b in (1, 8, 64)}) for d in range(1, 9)},
                       Curve())
-    policy = AdaptivePolicy(8, 3, 4, times)
+    policy = AdaptivePolicy(8, 3, 4, times, config)
     for (d, s) in policy.menu:  # deeper and wider shapes emit more, up to ``accepted`` tokens per step
         policy.stats.sum[s, d], policy.stats.weight[s, d] = (1 + (min(d, accepted) - 1) * s / 4) * 10, 10
-    policy.steps = WARMUP_STEPS
+    policy.steps = config.WARMUP_STEPS
     return policy
 
+
+def test_one_frozen_config_reaches_the_policy_and_the_time_fit():
+    """A changed field of ``PolicyConfig`` is read where it applies: the warm-up's length by the policy, the fit's
+    noise by the ``TimeFit`` of the ``StepTimes`` given that config. The control: the default's values."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.WARMUP_STEPS = 0
+    quick = dataclasses.replace(DEFAULT, WARMUP_STEPS=1, FIT_NOISE_SD=1.0)
+    predicted = []
+    for config in (DEFAULT, quick):
+        policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5, config=config)
+        policy.steps = 0
+        warm = config.WARMUP_STEPS
+        assert [policy.choose(64) for _ in range(warm + 1)] == [(8, 4)] * warm + [NO_SPECULATION]
+        times = StepTimes({}, {1: Curve({1: 0.01})}, Curve(), config=config)
+        times.observe(1, NO_SPECULATION, 0.02)
+        predicted.append(times.predict(1, NO_SPECULATION))
+    assert 0.01 < predicted[1] < predicted[0] < 0.02, predicted  # noisier steps: the fit moves less
 
 def test_policy_turns_speculation_off_when_verification_is_the_bottleneck():
     policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
@@ -181,7 +201,7 @@ def test_a_request_near_its_end_gets_no_deeper_tree_than_it_can_use(left, want):
         assert chosen not in (NO_SPECULATION, (8, 4)) and policy.stats.expected(chosen) >= 3, chosen
     else:
         assert chosen == want
-    assert adaptive_budget.batch_tokens(3, [left, 100, 100], 8)(2.5) == 2 * 2.5 + min(2.5, left)
+    assert batch_tokens(3, [left, 100, 100], 8)(2.5) == 2 * 2.5 + min(2.5, left)
 
 
 def _explored_share(policy: AdaptivePolicy, batch: int, chosen: list[tuple[int, int]], shape) -> float:
@@ -198,59 +218,58 @@ def test_policy_explores_the_largest_shape_for_about_one_fiftieth_of_the_time_wh
         chosen = [policy.choose(batch) for _ in range(2000)]
         assert policy._explore_shape() == (8, 4) and chosen.count((8, 4)) >= 1
         share = _explored_share(policy, batch, chosen, (8, 4))
-        assert 0.5 / EXPLORE_SHARE < share < 1.5 / EXPLORE_SHARE, (batch, share)
+        assert 0.5 / DEFAULT.EXPLORE_SHARE < share < 1.5 / DEFAULT.EXPLORE_SHARE, (batch, share)
 
 
-@pytest.mark.parametrize("reach", [EXPLORE_REACH, 1e9])
-def test_where_every_tree_is_far_behind_exploration_runs_the_best_tree_not_the_largest(reach, monkeypatch):
-    """Measured on the CPU at batch 64: no tree pays, yet the largest shape's runs (1 % of the steps, each as long
-    as four plain steps) cost the adaptive server about 1.3 ms per step. Exploration only has to refresh the
-    statistics of the trees that could matter, so there it runs the best tree, for the same share of the time.
-    The control, with every tree within reach, explores the largest shape as before."""
-    monkeypatch.setattr(adaptive_budget, "EXPLORE_REACH", reach)
-    monkeypatch.setattr(adaptive_budget, "PROBE_EVERY", 10 ** 9)  # the smallest tree is also the probes' shape
+@pytest.mark.parametrize("reach", [DEFAULT.EXPLORE_REACH, 1e9])
+def test_where_every_tree_is_far_behind_exploration_runs_the_best_tree_not_the_largest(reach):
+    """Where no tree pays, a run of the largest shape costs several plain steps for statistics that cannot matter.
+    Exploration only has to refresh the statistics of the trees that could matter, so there it runs the best tree,
+    for the same share of the time. The control, with every tree within reach, explores the largest shape."""
+    # (no probes: the smallest tree is also the probes' shape)
+    config = dataclasses.replace(DEFAULT, EXPLORE_REACH=reach, PROBE_EVERY=10 ** 9)
     for batch in (1, 8, 64):
-        policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
+        policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5, config=config)
         chosen = [policy.choose(batch) for _ in range(2000)]
         assert chosen.count(NO_SPECULATION) > 1900
-        explored = (2, 1) if reach == EXPLORE_REACH else (8, 4)
+        explored = (2, 1) if reach == DEFAULT.EXPLORE_REACH else (8, 4)
         assert policy._explore_shape() == explored
-        assert ((8, 4) in chosen) == (reach != EXPLORE_REACH), batch
+        assert ((8, 4) in chosen) == (reach != DEFAULT.EXPLORE_REACH), batch
         share = _explored_share(policy, batch, chosen, explored)
-        assert 0.5 / EXPLORE_SHARE < share < 1.5 / EXPLORE_SHARE, (batch, share)
+        assert 0.5 / DEFAULT.EXPLORE_SHARE < share < 1.5 / DEFAULT.EXPLORE_SHARE, (batch, share)
 
 
 @pytest.mark.parametrize("gate", ["both", "no probe gate", "no exploration gate"])
 def test_no_probes_or_explorations_from_no_speculation_where_no_tree_can_pay(gate, monkeypatch):
     """Probing the smallest tree, or exploring, from "no speculation" tells the policy something only while some
-    tree might clear the margin; each such step also lets a batch's requests drift apart (measured on the CPU at
-    batch 32-64: 2-4 % of the steps speculative cost 4-6 % against plain decoding). Served at the model's times (so
-    the fit knows them well) with every tree at half the baseline's rate or less, the policy stops both: in the
-    second 1000 steps a tree runs only as an overdue exploration (``EXPLORE_IDLE`` times its share). The controls:
+    tree might clear the margin; each such step also lets a batch's requests drift apart, which costs the batch
+    more than the step itself. Served at the model's times (so the fit knows them well) with every tree at half the
+    baseline's rate or less, the policy stops both: in the second 1000 steps a tree runs only as an overdue
+    exploration (``EXPLORE_IDLE`` times its share). The controls:
     with every probe allowed a tree runs at least once per PROBE_EVERY steps; with every exploration allowed, once
     per EXPLORE_SHARE x (its step time / the baseline's) steps."""
-    if gate == "no probe gate":
-        monkeypatch.setattr(adaptive_budget, "PROBE_CHANCE", 0.0)
+    config = dataclasses.replace(DEFAULT, PROBE_CHANCE=0.0) if gate == "no probe gate" else DEFAULT
     if gate == "no exploration gate":
         monkeypatch.setattr(AdaptivePolicy, "_may_explore", lambda self, batch, best, overdue: True)
-    policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
+    policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5, config=config)
     chosen = _served(policy, 64, 2000, lambda shape: policy.times.model(64, shape))[1000:]
     trees = len(chosen) - chosen.count(NO_SPECULATION)
     slower = policy.times.model(64, (2, 1)) / policy.times.model(64, NO_SPECULATION)
     if gate == "both":
-        assert policy._chance_to_pay(64) < PROBE_CHANCE and trees <= 1000 / (EXPLORE_SHARE * EXPLORE_IDLE), trees
+        assert policy._chance_to_pay(64) < DEFAULT.PROBE_CHANCE, policy._chance_to_pay(64)
+        assert trees <= 1000 / (DEFAULT.EXPLORE_SHARE * DEFAULT.EXPLORE_IDLE), trees
     elif gate == "no probe gate":
-        assert trees >= 1000 / PROBE_EVERY - 1, trees
+        assert trees >= 1000 / DEFAULT.PROBE_EVERY - 1, trees
     else:
-        assert trees >= 0.7 * 1000 / (EXPLORE_SHARE * slower), (trees, slower)
+        assert trees >= 0.7 * 1000 / (DEFAULT.EXPLORE_SHARE * slower), (trees, slower)
 
 
 @pytest.mark.parametrize("in_step", [True, False])
 def test_a_batch_decoding_in_step_defers_probes_and_explorations_until_it_drifts_apart(in_step):
     """A batch of 16 requests with the same tokens left, decoding without speculation, finishes in one round; one
-    tree round (a probe, an exploration) would let some finish early while the batch still waits for its last
-    (measured on the CPU at batch 16-64: the adaptive server, 2-19 % of its steps on such trees, trailed plain
-    decoding by up to 15 %). With the fit still ignorant (every tree may pay, so both would run), 1000 steps in
+    tree round (a probe, an exploration) would let some finish early while the batch still waits for its last,
+    and its next wave would start out of step. With the fit still ignorant (every tree may pay, so both would run),
+    1000 steps in
     step run no tree at all; the first step after the requests drift apart runs the deferred one. The control, a
     batch whose tokens left are spread, runs a tree at least once per ``PROBE_EVERY`` steps."""
     policy = _policy(draft_s=0.01, verify_per_token=0.001, accepted=1.5)
@@ -258,10 +277,10 @@ def test_a_batch_decoding_in_step_defers_probes_and_explorations_until_it_drifts
     chosen = [policy.choose(16, remaining) for _ in range(1000)]
     trees = len(chosen) - chosen.count(NO_SPECULATION)
     if in_step:
-        assert trees == 0 and policy._chance_to_pay(16) >= PROBE_CHANCE
+        assert trees == 0 and policy._chance_to_pay(16) >= DEFAULT.PROBE_CHANCE
         assert policy.choose(16, list(range(30, 46))) != NO_SPECULATION
     else:
-        assert trees >= 1000 / PROBE_EVERY - 1, trees
+        assert trees >= 1000 / DEFAULT.PROBE_EVERY - 1, trees
 
 
 def test_observed_step_times_override_the_model():
@@ -283,10 +302,11 @@ def _served(policy: AdaptivePolicy, batch: int, steps: int, seconds) -> list[tup
 
 @pytest.mark.parametrize("probe", [True, False])
 def test_baseline_is_observed_before_speculation_is_trusted(probe, monkeypatch):
-    """What the CPU sweep showed at batch 16-64: the startup model (here: a large per-step overhead it measured)
-    makes a step without speculation look slower than it is served, and the observed speculative shapes only scale
-    that error up. With the baseline probe the policy observes one step without speculation and keeps to it;
-    without the probe (the control) it speculates on, although every tree is slower as served."""
+    """Why the baseline is measured and not only modelled: a startup model that overstates a per-step overhead
+    (here: a large one) makes a step without speculation look slower than it is served, and the observed
+    speculative shapes only scale that error up. With the baseline probe the policy observes one step without
+    speculation and keeps to it; without the probe (the control) it speculates on, although every tree is slower as
+    served."""
     if not probe:
         monkeypatch.setattr(AdaptivePolicy, "_baseline_due", lambda self, batch: False)
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
@@ -298,7 +318,7 @@ def test_baseline_is_observed_before_speculation_is_trusted(probe, monkeypatch):
 
 def test_baseline_is_remeasured_about_once_per_explore_share_steps_while_speculating():
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
-    chosen = _served(policy, 1, 20 * EXPLORE_SHARE, lambda shape: 0.015 + 0.001 * shape[0])  # speculation pays
+    chosen = _served(policy, 1, 20 * DEFAULT.EXPLORE_SHARE, lambda shape: 0.015 + 0.001 * shape[0])  # trees pay
     assert 10 <= chosen.count(NO_SPECULATION) <= 30, chosen.count(NO_SPECULATION)
 
 
@@ -307,8 +327,8 @@ def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_ba
     """A serving run's tail (the batch shrinking request by request) decides "no speculation" at batch sizes seen
     for a step or two and never observed. Those steps must not count as the baseline's measurement at batch 32:
     with a tail step after every 10 steps at batch 32, the baseline there is observed as often as without a tail
-    (the control). (Before, one counter for all batch sizes was reset by the tail's steps and the baseline at
-    batch 32 was observed once in a run.)"""
+    (the control). A counter shared by all batch sizes would be reset by the tail's steps and keep the baseline
+    at batch 32 from being measured again."""
     decide = AdaptivePolicy._decide
 
     def tail_decides_none(self, batch, remaining=None):
@@ -317,7 +337,7 @@ def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_ba
     monkeypatch.setattr(AdaptivePolicy, "_decide", tail_decides_none)
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
     observed_none, tail_steps = 0, []
-    for i in range(20 * EXPLORE_SHARE):
+    for i in range(20 * DEFAULT.EXPLORE_SHARE):
         shape = policy.choose(32)
         policy.times.observe(32, shape, 0.015 + 0.001 * shape[0])  # speculation pays at batch 32
         observed_none += shape == NO_SPECULATION
@@ -328,15 +348,12 @@ def test_baseline_remeasurement_is_not_postponed_by_unobserved_steps_at_other_ba
 
 
 @pytest.mark.parametrize("retry", [1, None])
-def test_an_unobserved_baseline_try_waits_before_the_next(retry, monkeypatch):
+def test_an_unobserved_baseline_try_waits_before_the_next(retry):
     """Where the baseline's steps are not observed (each comes right after a prefill or a change of batch size),
     trying again at once runs most steps without speculation although speculation pays: with the retry spacing a
     try is made every ``BASELINE_RETRY`` steps; the control (retry at once) spends most steps on tries."""
-    from sglang_tree_v4.speculative import adaptive_budget
-
-    if retry is not None:
-        monkeypatch.setattr(adaptive_budget, "BASELINE_RETRY", retry)
-    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
+    config = DEFAULT if retry is None else dataclasses.replace(DEFAULT, BASELINE_RETRY=retry)
+    policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8, config=config)
     chosen = []
     for _ in range(400):
         shape = policy.choose(4)
@@ -344,7 +361,7 @@ def test_an_unobserved_baseline_try_waits_before_the_next(retry, monkeypatch):
             policy.times.observe(4, shape, 0.015 + 0.001 * shape[0])
         chosen.append(shape)
     share = chosen.count(NO_SPECULATION) / len(chosen)
-    assert share <= 1.2 / adaptive_budget.BASELINE_RETRY if retry is None else share > 0.5, share
+    assert share <= 1.2 / DEFAULT.BASELINE_RETRY if retry is None else share > 0.5, share
 
 
 def test_shape_menu_covers_no_speculation_and_every_reachable_tree():
@@ -406,12 +423,13 @@ def test_hysteresis_does_not_keep_a_tree_that_loses():
     within 1 % of the baseline's and the losing tree run only as the exploration (about 1 / EXPLORE_SHARE)."""
     chosen, rate = _noisy_served(0.9, True)
     assert rate >= 0.99, rate
-    assert chosen.count((8, 4)) / len(chosen) <= 2 / EXPLORE_SHARE, chosen.count((8, 4))
+    assert chosen.count((8, 4)) / len(chosen) <= 2 / DEFAULT.EXPLORE_SHARE, chosen.count((8, 4))
 
 
 def test_a_shape_the_model_makes_slow_is_probed_and_comes_back():
-    """What the CPU served at batch 32: D2 S1 timed in a slow stretch (here the model holds 1.6x its true time)
-    while D3 S1 was timed right. D2 S1 truly emits 5 % more tokens per second, so the policy must come back to it:
+    """A shape timed in a slow stretch of the machine must not stay out of the choice: at batch 32 the model holds
+    D2 S1 at 1.6x its true time while D3 S1 is timed right. D2 S1 truly emits 5 % more tokens per second, so the
+    policy must come back to it:
     its neighbour probe serves it, and the served steps correct its time. The control, without probes, never
     serves D2 S1 and keeps to D3 S1."""
     for probes in (True, False):
@@ -421,10 +439,10 @@ def test_a_shape_the_model_makes_slow_is_probed_and_comes_back():
         policy.stats.sum[1, 2], policy.stats.sum[1, 3] = 16.9, 18.4  # 1.69 and 1.84 tokens per step
         batch, rate = 32, {NO_SPECULATION: 0.76, (2, 1): 1.30, (3, 1): 1.234}  # tokens per ms per request
         true_ms = {shape: batch * policy.stats.expected(shape) / rate[shape] for shape in rate}
-        policy.times.model = lambda b, shape: true_ms[shape] * (1.6 if shape == (2, 1) else 1.0)
+        policy.times.model = lambda b, shape, true_ms=true_ms: true_ms[shape] * (1.6 if shape == (2, 1) else 1.0)
         if not probes:
             policy._stalest_neighbour = lambda b, shape: None
-        chosen = _served(policy, batch, 300, lambda shape: true_ms[shape])[100:]
+        chosen = _served(policy, batch, 300, lambda shape, true_ms=true_ms: true_ms[shape])[100:]
         share = chosen.count((2, 1)) / len(chosen)
         assert (share >= 0.85) if probes else (share <= 0.05), (probes, share)
 
@@ -436,7 +454,8 @@ def _fit_errors(seed: int) -> tuple[list[float], list[float]]:
     shape's latest run of served ratios give them (what a table of each shape's own steps holds)."""
     import math
     import random
-    from sglang_tree_v4.speculative.adaptive_budget import TimeFit
+
+    from sglang_tree_v4.speculative.adaptive.timing import TimeFit
     rng = random.Random(seed)
     error = {NO_SPECULATION: 0.8, (2, 1): 1.0, (4, 2): 1.25, (8, 4): 1.1}
     shapes = list(error)
@@ -476,7 +495,7 @@ def test_only_observed_trees_get_the_hysteresis_band(observed_ahead, want):
     one is ``stay_margin`` ahead of the baseline, and otherwise stops speculating."""
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
     batch, t_none = 16, 0.02
-    ahead = {(2, 1): observed_ahead, (8, 4): (stay_margin(16) + 0.01 + SPECULATION_MARGIN) / 2}
+    ahead = {(2, 1): observed_ahead, (8, 4): (stay_margin(16) + 0.01 + DEFAULT.SPECULATION_MARGIN) / 2}
     seconds = {shape: t_none * policy.stats.expected(shape) / a for shape, a in ahead.items()}
     seconds[NO_SPECULATION] = t_none
     policy.times.observed = {(batch, *NO_SPECULATION): t_none, (batch, 2, 1): seconds[(2, 1)]}
@@ -488,8 +507,8 @@ def test_only_observed_trees_get_the_hysteresis_band(observed_ahead, want):
 @pytest.mark.parametrize("batch,want", [(1, (2, 1)), (16, NO_SPECULATION), (32, NO_SPECULATION)])
 def test_a_tree_inside_the_lockstep_gap_is_dropped_from_batch_16(batch, want):
     """While speculating, an observed tree 6 % ahead of the baseline by the rounds stays at batch 1 and is dropped
-    at batch 16 and 32: there the rounds flatter speculation by 7-8 % against the wall clock (the STAY_MARGIN
-    comment's measurements). Fails with the earlier edge (1.04 from batch 32: the tree stayed at both)."""
+    at batch 16 and 32: there the rounds flatter speculation by more than that against the wall clock
+    (``docs/adaptive_budget.md``). An edge of 1.04 from batch 32 would keep the tree at both."""
     policy = _policy(draft_s=1e-5, verify_per_token=1e-6, accepted=8)
     t_none = 0.02
     seconds = {NO_SPECULATION: t_none, (2, 1): t_none * policy.stats.expected((2, 1)) / 1.06}
@@ -502,9 +521,10 @@ def test_a_tree_inside_the_lockstep_gap_is_dropped_from_batch_16(batch, want):
 def test_the_band_narrows_with_the_batch_size():
     """A batch of one has no requests to drift apart, so there a tree stays while it is ahead at all; from
     STAY_MARGIN_BATCH on it must stay STAY_MARGIN ahead; in between the edge rises with log2 of the batch size."""
-    below = [b for b in (1, 2, 4, 8, 16, 32) if b <= STAY_MARGIN_BATCH]
+    below = [b for b in (1, 2, 4, 8, 16, 32) if b <= DEFAULT.STAY_MARGIN_BATCH]
     rising = [stay_margin(b) for b in below]
-    assert rising[0] == 1.0 and rising[-1] == pytest.approx(STAY_MARGIN) and len(rising) >= 3
-    assert all(a < b for a, b in zip(rising, rising[1:])), rising
-    assert stay_margin(2 * STAY_MARGIN_BATCH) == stay_margin(8 * STAY_MARGIN_BATCH) == pytest.approx(STAY_MARGIN)
-    assert all(1.0 <= stay_margin(b) < SPECULATION_MARGIN for b in range(1, 257))
+    assert rising[0] == 1.0 and rising[-1] == pytest.approx(DEFAULT.STAY_MARGIN) and len(rising) >= 3
+    assert all(a < b for a, b in zip(rising, rising[1:], strict=False)), rising
+    far = (stay_margin(2 * DEFAULT.STAY_MARGIN_BATCH), stay_margin(8 * DEFAULT.STAY_MARGIN_BATCH))
+    assert far[0] == far[1] == pytest.approx(DEFAULT.STAY_MARGIN)
+    assert all(1.0 <= stay_margin(b) < DEFAULT.SPECULATION_MARGIN for b in range(1, 257))

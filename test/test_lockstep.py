@@ -1,4 +1,4 @@
-"""The lockstep charge (``speculative.lockstep``) against its ground truth, and the policy using it.
+"""The lockstep charge (``speculative.adaptive.lockstep``) against its ground truth, and the policy using it.
 
 * ``expected_overrun``: for requests in lockstep it is E[max of B standard normals] x rho x sqrt(r) (the tabulated
   constants); for unequal budgets it matches a Monte Carlo of the same maximum; at batch 1 and for budgets far
@@ -17,8 +17,10 @@ import random
 import pytest
 import torch
 
-from sglang_tree_v4.speculative import lockstep
-from sglang_tree_v4.speculative.adaptive_budget import NO_SPECULATION, WARMUP_STEPS, AdaptivePolicy, StepTimes
+from sglang_tree_v4.speculative.adaptive import lockstep
+from sglang_tree_v4.speculative.adaptive.config import DEFAULT
+from sglang_tree_v4.speculative.adaptive.policy import NO_SPECULATION, AdaptivePolicy
+from sglang_tree_v4.speculative.adaptive.timing import StepTimes
 
 # E[max of B independent standard normals].
 EXPECTED_MAX = {2: 0.5641896, 4: 1.0293754, 16: 1.7659913}
@@ -55,8 +57,8 @@ def test_overrun_rounds_match_requests_drawing_tokens_per_round(batch, budget):
     approximation of a discrete count)."""
     rng = random.Random(batch * 1000 + budget)
     values, weights = [1, 2, 3], [0.3, 0.4, 0.3]
-    mean = sum(v * w for v, w in zip(values, weights))
-    sd = (sum(v * v * w for v, w in zip(values, weights)) - mean ** 2) ** 0.5
+    mean = sum(v * w for v, w in zip(values, weights, strict=False))
+    sd = (sum(v * v * w for v, w in zip(values, weights, strict=False)) - mean ** 2) ** 0.5
     last = average = 0.0
     batches = 3000
     for _ in range(batches):
@@ -87,14 +89,14 @@ def _policy() -> AdaptivePolicy:
     policy.times.model = lambda batch, shape: step_ms[shape] / 1000 * (0.8 if batch == 1 else 1.0)
     d, s = TREE
     policy.stats.sum[s, d], policy.stats.squares[s, d], policy.stats.weight[s, d] = 20.0, 10 * (4.0 + 0.81), 10
-    policy.steps = WARMUP_STEPS
+    policy.steps = DEFAULT.WARMUP_STEPS
     return policy
 
 
 @pytest.mark.parametrize("charged", [True, False])
 def test_in_lockstep_a_tree_that_spreads_the_batch_loses_to_no_speculation(charged, monkeypatch):
     if not charged:
-        monkeypatch.setattr(lockstep, "overrun_rounds", lambda remaining, means, sds: [0.0] * len(means))
+        monkeypatch.setattr(lockstep, "overrun_rounds", lambda remaining, means, sds, config: [0.0] * len(means))
     policy = _policy()
     assert policy.stats.spread_table()[2][4] == pytest.approx(0.9)
     in_lockstep = policy._decide(16, [64] * 16)[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tree_v4.speculative.adaptive_budget import Curve, StepTimes
+from sglang_tree_v4.speculative.adaptive.timing import Curve, StepTimes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from served_step_breakdown import breakdown, shape_of  # noqa: E402

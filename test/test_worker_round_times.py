@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_tree_v4.speculative.adaptive_budget import NO_SPECULATION, AdaptivePolicy, StepTimes
+from sglang_tree_v4.speculative.adaptive.policy import NO_SPECULATION, AdaptivePolicy
+from sglang_tree_v4.speculative.adaptive.timing import StepTimes
 from sglang_tree_v4.speculative.worker import TreeV4Worker
 
 TREE = (3, 1)

@@ -25,7 +25,7 @@ round's accepted tokens are read from the batch's ``spec_info`` until they reach
 Prefill rounds are plain target forwards, then the MTP over each chunk's last window (``_prefill_mtp``), unless
 the adaptive budget is not speculating at the batch size the prefill joins (``_defer_prefill_mtp``).
 
-Without shape flags the budget is adaptive (``adaptive_budget``): before step 1 the worker picks this step's shape
+Without shape flags the budget is adaptive (``speculative.adaptive``): before step 1 the worker picks this step's shape
 (D, S), possibly "no speculation" (the root alone is verified, i.e. ordinary decoding, and the MTP skips the step;
 its next catch-up covers at most the last D positions, step 1). Outputs keep the server's largest-D layout.
 """
@@ -37,7 +37,6 @@ import os
 import time
 
 import torch
-
 from sglang.srt.distributed import get_tp_group
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.scheduler import GenerationBatchResult
@@ -48,12 +47,26 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from ..serving.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
-from ..tree import DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy, verify_sampling
-from . import step_timer
-from .adaptive_budget import NO_SPECULATION, AdaptivePolicy
+from ..tree import (
+    DraftTree,
+    SamplingParams,
+    VerifyCoins,
+    build_draft_tree,
+    verify_greedy,
+    verify_sampling,
+)
+from .adaptive import NO_SPECULATION, AdaptivePolicy, measure
+from .mtp_drafter import (
+    MTPTreeDrafter,
+    catch_up,
+    catch_up_fixed,
+    catch_up_prefill,
+    catch_up_start,
+    deferred_start,
+    mtp_window_from,
+    prefill_span,
+)
 from .sampling_rules import SamplingRules
-from .mtp_drafter import (MTPTreeDrafter, catch_up, catch_up_fixed, catch_up_prefill, catch_up_start,
-                          deferred_start, mtp_window_from, prefill_span)
 from .server_args import ADAPTIVE_ENV, TreeBudget, checkpoint_score_temperature
 from .tp_sync import broadcast_verdict
 
@@ -115,16 +128,16 @@ class TreeV4Worker(BaseSpecWorker):
         rank 0 decides whether the cache is there."""
         limits = (self.budget.draft_tokens, self.budget.topk, self.budget.steps)
         max_batch = self.server_args.max_running_requests or 64
-        path = step_timer.cache_path(self.server_args.model_path, torch.device(self.device), self.tp_group.world_size,
-                                     self.adapter.model.embed.weight.dtype, limits + (max_batch,))
-        times = step_timer.read_cache(path) if self.tp_group.rank_in_group == 0 else None
+        path = measure.cache_path(self.server_args.model_path, torch.device(self.device), self.tp_group.world_size,
+                                  self.adapter.model.embed.weight.dtype, limits + (max_batch,))
+        times = measure.read_cache(path) if self.tp_group.rank_in_group == 0 else None
         hit = self._broadcast_ints([int(times is not None)])[0]
         start = time.perf_counter()
         if not hit:
-            times = step_timer.measure(self.adapter.model, *limits, max_batch=max_batch,
-                                       device=torch.device(self.device))
+            times = measure.measure(self.adapter.model, *limits, max_batch=max_batch,
+                                    device=torch.device(self.device))
             if self.tp_group.rank_in_group == 0:
-                step_timer.write_cache(path, times, time.perf_counter() - start)
+                measure.write_cache(path, times, time.perf_counter() - start)
         logger.info("TREE_V4 adaptive budget: step times %s in %.1f s (%s)", "read" if hit else "measured",
                     time.perf_counter() - start, path)
         return AdaptivePolicy(*limits, times=times)
@@ -192,7 +205,7 @@ class TreeV4Worker(BaseSpecWorker):
         streams the prefill left in the ring. A later chunk that runs the MTP starts its own window (not a
         continuation)."""
         C = self.budget.draft_tokens
-        for req, a, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        for req, a, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=False):
             start = deferred_start(a, a + n, C)
             setattr(req, MTP_FROM_ATTR, start)
             setattr(req, MTP_LEN_ATTR, start)
@@ -206,9 +219,9 @@ class TreeV4Worker(BaseSpecWorker):
         first position's predecessor: the rows below it may never have been computed."""
         model = self.adapter.model
         _, mtp_store, streams = self.adapter.stores()
-        chunks = [(a, a + n) for a, n in zip(batch.prefix_lens, batch.extend_lens)]
+        chunks = [(a, a + n) for a, n in zip(batch.prefix_lens, batch.extend_lens, strict=False)]
         tokens, spans = [], []
-        for req, (a, b) in zip(batch.reqs, chunks):
+        for req, (a, b) in zip(batch.reqs, chunks, strict=False):
             known = list(req.origin_input_ids) + list(req.output_ids)
             lo, hi = prefill_span(a, b, len(known), model.cfg.window)
             if getattr(req, PREFILLED_TO_ATTR, None) != a:  # not a continuation
@@ -236,7 +249,7 @@ class TreeV4Worker(BaseSpecWorker):
         window = model.cfg.window
         C = self.budget.draft_tokens
         starts = []
-        for i, (req, L) in enumerate(zip(batch.reqs, lens)):
+        for i, (req, L) in enumerate(zip(batch.reqs, lens, strict=False)):
             if i in finished:  # an inert row (``_finished_rows``): one position, no state of its own touched
                 starts.append(L - 1)
                 continue
@@ -252,9 +265,9 @@ class TreeV4Worker(BaseSpecWorker):
         req_table = _inert(req_table, finished)
         # With fixed shapes (a GPU) the usual round (each request behind by at most the largest D) recomputes the
         # last D positions; after a prefill, and on a CPU, only the missing positions run.
-        fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens))
+        fixed = self.fixed_shapes and all(L - s <= C <= L for s, L in zip(starts, lens, strict=False))
         next_tokens, roots = [], []
-        for i, (req, L, start, waiting) in enumerate(zip(batch.reqs, lens, starts, pending)):
+        for i, (req, L, start, waiting) in enumerate(zip(batch.reqs, lens, starts, pending, strict=False)):
             if i in finished:
                 next_tokens.append([0] * (C if fixed else L - start))
                 roots.append(0)
@@ -296,7 +309,7 @@ class TreeV4Worker(BaseSpecWorker):
         else:
             rows, counts = [[]] * len(lens), [0] * len(lens)
         out = []
-        for req, L, row, k in zip(batch.reqs, lens, rows, counts):
+        for req, L, row, k in zip(batch.reqs, lens, rows, counts, strict=False):
             have = len(req.origin_input_ids) + len(req.output_ids)
             if have == L + 1:
                 out.append([])
@@ -345,7 +358,7 @@ class TreeV4Worker(BaseSpecWorker):
         if seeds is None:
             return VerifyCoins.draw(len(batch.reqs), width, self.generator, self.device)
         rows = [VerifyCoins.draw(1, width, torch.Generator().manual_seed(int(seed) * 1_000_003 + length))
-                for seed, length in zip(seeds.tolist(), batch.seq_lens.tolist())]
+                for seed, length in zip(seeds.tolist(), batch.seq_lens.tolist(), strict=False)]
         return VerifyCoins(torch.cat([r.accept for r in rows]).to(self.device),
                            torch.cat([r.bonus for r in rows]).to(self.device))
 
@@ -374,8 +387,8 @@ class TreeV4Worker(BaseSpecWorker):
         rules = SamplingRules.build(batch, pending, self.adapter.model.cfg.vocab_size)
         finished = _finished_rows(batch)
         if S == 0:  # no speculation: the root alone, i.e. one ordinary decode step
-            roots = torch.tensor([p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending)],
-                                 device=self.device)
+            last = [p[-1] if p else req.output_ids[-1] for req, p in zip(batch.reqs, pending, strict=True)]
+            roots = torch.tensor(last, device=self.device)
             tree = DraftTree.roots_only(roots)
         else:
             tree = self._draft(batch, D, S, pending, rules, finished)
@@ -452,7 +465,7 @@ class TreeV4Worker(BaseSpecWorker):
             p_bs, p_shape, p_start, p_verified, p_end = previous
             if p_bs == bs and start - p_end < 1:
                 self.policy.times.observe(bs, p_shape, start - p_start)
-                self.policy.times.rest.add(bs, start - p_verified)
+                self.policy.times.observe_rest(bs, start - p_verified)
 
 
 def _is_finished(req) -> bool:

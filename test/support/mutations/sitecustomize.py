@@ -19,7 +19,8 @@ after it is first imported, before anyone binds its names. The product code carr
 Not a fault, a forcing: ``cycle_shapes`` makes the adaptive budget run every shape of its menu in turn ("no
 speculation" included), then a run of steps without speculation longer than the MTP's catch-up cap (the largest D),
 so a test sees every switch the policy could ever make, resuming after a gap in the MTP's rows included; and every
-other prefill round finds the batch "not speculating", so it defers the MTP's rows (``worker._defer_prefill_mtp``). ``never_speculate`` makes it choose "no speculation" at every step (what a step
+other prefill round finds the batch "not speculating", so it defers the MTP's rows (``worker._defer_prefill_mtp``).
+``never_speculate`` makes it choose "no speculation" at every step (what a step
 that does not speculate costs, ``benchmark/none_step_cost.py``).
 """
 
@@ -137,8 +138,8 @@ PATCHES = {
     "short_window": ("sglang_tree_v4.serving.sglang_pool", _short_window),
     "ring_stored_only": ("sglang_tree_v4.dsv4.compressor", _ring_stored_only),
     "stream_off_by_one": ("sglang_tree_v4.speculative.mtp_drafter", _stream_off_by_one),
-    "cycle_shapes": ("sglang_tree_v4.speculative.adaptive_budget", _cycle_shapes),
-    "never_speculate": ("sglang_tree_v4.speculative.adaptive_budget", _never_speculate),
+    "cycle_shapes": ("sglang_tree_v4.speculative.adaptive.policy", _cycle_shapes),
+    "never_speculate": ("sglang_tree_v4.speculative.adaptive.policy", _never_speculate),
 }
 
 

@@ -1,23 +1,17 @@
-"""The adaptive budget's startup step-time measurement, and its cache file.
+"""The startup step-time measurement, and its cache file.
 
 At startup the worker times the real pieces of a decode round on private scratch state (its own small slot
-stores, never SGLang's pool): the MTP draft (catch-up + ``build_draft_tree`` over S steps, for each S) and the
-target's tree-verify forward (for each number of verified tokens per request in ``verify_widths``), at batch sizes
-1 .. max running requests.
-The state is zeros, which costs the same as real state. Every point is timed once per pass, in ``PASSES``
-passes over the whole grid, and keeps its fastest: a stretch of contention (on the CPU, other servers starting
-next to this one) lasts seconds, so repeats taken back to back share it, while passes seconds apart mostly do
-not. (Measured: a startup next to four other starting servers, two back-to-back repeats, timed one draft depth
-at 5x its neighbours.) At each batch size the times are then made non-decreasing in D and in S (``monotone``):
-more verified tokens or more draft steps never cost less, so a point above a larger one is noise. Both steps
-matter for the choice among trees, which turns on a few percent: with 3 passes and no such fit, three
-measurements in one CPU process put D=4 at batch 1 at 14.2, 11.0 and 11.3 ms and D=8 at 15.7, 11.9 and 11.3 ms,
-and a server's startup timed D=4 at 15.8 ms against 12.6 for D=8 -- that server then ran D=7-8 trees, whose
-verification it took for the cheaper; with 10 passes the three measurements agreed within 3 % (D=4 9.8-10.1, D=8
-10.2-10.6 ms). The result is the model that ``adaptive_budget.StepTimes`` corrects with served steps.
-It is written to ``~/.cache/sglang-tree-v4/step_times/<key>.json`` (``$XDG_CACHE_HOME`` honoured), keyed by the
-checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the kind of verify step
-(eager or fixed-shape, which cost differently), and read back on the next start instead of measuring again.
+stores, never SGLang's pool; zeros cost the same as real state): the MTP draft (catch-up + ``build_draft_tree``
+over S steps, for each S) and the target's tree-verify forward (for each D of ``verify_widths``), at the batch
+sizes of ``MEASURE_BATCHES`` up to the largest. Every point is timed once per pass, in ``MEASURE_PASSES`` passes
+over the whole grid, and keeps its fastest; then, per batch size, the times are made non-decreasing in D and in S
+(``monotone``): more verified tokens or draft steps never cost less, so a point above a larger one is noise. The
+choice among trees turns on a few percent, so both steps matter. The result is the model that
+``timing.StepTimes`` corrects with served steps.
+
+It is cached under ``~/.cache/sglang-tree-v4/step_times/`` (``$XDG_CACHE_HOME`` honoured), keyed by everything the
+times depend on: the checkpoint (path and config), the device, the TP size, the dtype, the shape limits and the kind
+of verify step (eager or fixed-shape), and read back on the next start instead of measuring again.
 """
 
 from __future__ import annotations
@@ -29,18 +23,16 @@ import time
 
 import torch
 
-from ..dsv4.mtp import draft_scratch_rows, new_mtp_store, new_streams_store
-from ..serving.sglang_model import fixed_shapes, verify_caps, verify_table
-from ..dsv4.storage import ForwardBatch
-from ..tree import build_draft_tree
-from .adaptive_budget import Curve, StepTimes
-from .mtp_drafter import MTPTreeDrafter, catch_up
+from ...dsv4.mtp import draft_scratch_rows, new_mtp_store, new_streams_store
+from ...dsv4.storage import ForwardBatch
+from ...serving.sglang_model import fixed_shapes, verify_caps, verify_table
+from ...tree import build_draft_tree
+from ..mtp_drafter import MTPTreeDrafter, catch_up
+from .config import DEFAULT, PolicyConfig
+from .timing import Curve, StepTimes
 
-BATCHES = (1, 4, 16, 64)
-CONTEXT = 96  # committed tokens per synthetic request (crosses CSA and HCA blocks of the embedded model)
-PASSES = 10
-# Part of the cache key: 2 = verification per verified tokens per request, over the batch size; 3 = 10 passes and
-# times non-decreasing in D and S (a cache of an earlier layout is measured again).
+# Part of the cache key, raised with every change to the file's layout or to how it is measured, so that an older
+# file is measured again (3: verification per D over the batch size, in passes, non-decreasing in D and S).
 CACHE_LAYOUT = 3
 
 
@@ -65,23 +57,26 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device) -> StepTimes:
-    """Time draft(S) and verify(D) on scratch stores at the batch sizes of ``BATCHES`` up to ``max_batch``."""
+def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device,
+            config: PolicyConfig = DEFAULT) -> StepTimes:
+    """Time draft(S) and verify(D) on scratch stores at the batch sizes of ``MEASURE_BATCHES`` up to ``max_batch``
+    (and at ``max_batch``)."""
     cfg = model.cfg
     dtype = model.embed.weight.dtype
-    batches = sorted({b for b in BATCHES if b <= max_batch} | {max_batch})
-    width = CONTEXT + max_tokens
+    context = config.MEASURE_CONTEXT
+    batches = sorted({b for b in config.MEASURE_BATCHES if b <= max_batch} | {max_batch})
+    width = context + max_tokens
     slots = max(batches) * width
     store = model.new_store(slots, dtype, device)
     mtp_store = new_mtp_store(cfg, slots, dtype, device, max(batches) * draft_scratch_rows(topk, max_steps))
     streams = new_streams_store(cfg, slots, dtype, device)
-    times = StepTimes()
+    times = StepTimes(config=config)
     verify_sizes = verify_widths(max_tokens)
     # One untimed pass first: lazy initialisation (allocator, kernels, caches) must not count as a step.
-    _time_batch(model, store, mtp_store, streams, batches[:1], width, max_tokens, topk, 1, [1], device, StepTimes(),
-                passes=1)
-    _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, topk, max_steps, verify_sizes, device,
-                times)
+    _time_batch(model, store, mtp_store, streams, batches[:1], width, context, max_tokens, topk, 1, [1], device,
+                StepTimes(config=config), passes=1)
+    _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, verify_sizes,
+                device, times, passes=config.MEASURE_PASSES)
     return times
 
 
@@ -91,8 +86,8 @@ def verify_widths(max_tokens: int) -> list[int]:
     return sorted({*range(1, min(8, max_tokens) + 1), *range(8, max_tokens + 1, 4), max_tokens})
 
 
-def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, topk, max_steps, verify_sizes, device,
-                times: StepTimes, passes: int = PASSES) -> None:
+def _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, verify_sizes,
+                device, times: StepTimes, passes: int) -> None:
     fastest: dict[tuple, float] = {}
 
     def timed(key, run):  # -> what ``run`` returned; its time into ``fastest``
@@ -105,25 +100,27 @@ def _time_batch(model, store, mtp_store, streams, batches, width, max_tokens, to
     for _ in range(passes):
         for bs in batches:
             table = torch.arange(bs * width, device=device).view(bs, width)
-            prefix = torch.full((bs,), CONTEXT, device=device)
+            prefix = torch.full((bs,), context, device=device)
             roots = torch.ones(bs, dtype=torch.long, device=device)
 
-            def draft(s):
-                root = catch_up(model, mtp_store, streams, table, [CONTEXT - 3] * bs, [CONTEXT] * bs,
+            def draft(s, bs=bs, table=table, prefix=prefix, roots=roots):
+                root = catch_up(model, mtp_store, streams, table, [context - 3] * bs, [context] * bs,
                                 [[1, 2, 3]] * bs)
                 drafter = MTPTreeDrafter(model, mtp_store, table, prefix, topk, max_steps)
                 return build_draft_tree(roots, prefix, drafter, s, topk, max_tokens, root_draft=root)
 
             for s in range(1, max_steps + 1):
-                tree = timed(("draft", s, bs), lambda: draft(s))
+                tree = timed(("draft", s, bs), lambda s=s: draft(s))
             for d in verify_sizes:
                 tokens = tree.tokens[:, :d] if d > 1 else roots[:, None]
-                timed(("verify", bs, d), lambda: verify_forward(model, store, table, prefix, tokens, d))
+                timed(("verify", bs, d), lambda table=table, prefix=prefix, tokens=tokens, d=d:
+                      verify_forward(model, store, table, prefix, tokens, d))
     steps = list(range(1, max_steps + 1))
     for bs in batches:
-        for s, seconds in zip(steps, monotone([fastest[("draft", s, bs)] for s in steps])):
+        for s, seconds in zip(steps, monotone([fastest[("draft", s, bs)] for s in steps]), strict=False):
             times.draft.setdefault(s, Curve()).add(bs, seconds)
-        for d, seconds in zip(verify_sizes, monotone([fastest[("verify", bs, d)] for d in verify_sizes])):
+        verify_seconds = monotone([fastest[("verify", bs, d)] for d in verify_sizes])
+        for d, seconds in zip(verify_sizes, verify_seconds, strict=True):
             times.verify.setdefault(d, Curve()).add(bs, seconds)
 
 
@@ -149,20 +146,22 @@ def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, toke
     out_slots = out_slots.flatten()
     positions = (prefix[:, None] + torch.arange(d, device=device)).flatten()
     slot_table, entry_out = verify_table(table, prefix, mask, out_slots, d)
-    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, slot_table, verify_caps(prefix, d, table.shape[1]),
-                         entry_out)
+    caps = verify_caps(prefix, d, table.shape[1])
+    batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, slot_table, caps, entry_out)
     return model(batch, store)
 
 
-def read_cache(path: str) -> StepTimes | None:
+def read_cache(path: str, config: PolicyConfig = DEFAULT) -> StepTimes | None:
+    """The cached model, or None where there is none or it is of another layout (then it is measured again)."""
     try:
         with open(path) as f:
-            return StepTimes.from_json(json.load(f)["times"])
+            return StepTimes.from_json(json.load(f)["times"], config)
     except (OSError, ValueError, KeyError):
         return None
 
 
 def write_cache(path: str, times: StepTimes, seconds: float) -> None:
+    """Written to a temporary file and renamed, so that a reader never sees half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
