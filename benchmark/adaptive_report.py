@@ -1,6 +1,7 @@
 """Adaptive budget vs no speculation vs the best fixed shape, from one side-by-side sweep.
 
-    python benchmark/adaptive_report.py benchmark/results/adaptive_cpu.jsonl [--png benchmark/results/adaptive_cpu.png]
+    python benchmark/adaptive_report.py benchmark/results/adaptive_vs_none_cpu.jsonl
+        [--png benchmark/results/adaptive_vs_none_cpu.png]
 
 Per dataset and batch size: throughput of no speculation, of the best fixed tree shape at that point, of the
 adaptive default, the ratio adaptive / max(none, best fixed) (the bar is >= 0.95), and the shapes the adaptive
@@ -70,7 +71,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     datasets = sorted({r["dataset"] for r in rows})
     fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=False):
         pts = [r for r in rows if r["dataset"] == ds]
         bs = [r["batch_size"] for r in pts]
         for key, label in (("none", "no speculation"), ("best_fixed", "best fixed shape"), ("adaptive", "adaptive")):

@@ -5,8 +5,9 @@ timings are CPU timings, where a pass costs roughly in proportion to the tokens 
 about the same for 1 or 100 tokens until weight reads stop dominating, so the throughput trade-off differs. This
 model turns accept lengths into predicted throughput with a stated cost of one pass as a function of its tokens.
 
-    python benchmark/cost_model.py benchmark/results/sweep_cpu.jsonl [--verify-curve gpu_verify_cost.jsonl]
-        [--png benchmark/results/cost_model.png] [--accept tree=3.41,chain=2.84]
+    python benchmark/cost_model.py benchmark/results/tree_vs_chain_cpu.jsonl [--verify-curve gpu_verify_cost.jsonl]
+        [--png benchmark/results/cost_model_gpu.png] [--json benchmark/results/cost_model_gpu.jsonl]
+        [--accept tree=3.41,chain=2.84]
 
 Step time of one decode step for a batch of b requests at budget D:
 
@@ -105,7 +106,7 @@ class MeasuredVerify:
             (x0, y0), (x1, y1) = pts[-2], pts[-1]
             per_layer = y1 + (tokens - x1) * (y1 - y0) / max(x1 - x0, 1)
         else:
-            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
                 if x0 <= tokens <= x1:
                     per_layer = y0 + (tokens - x0) * (y1 - y0) / max(x1 - x0, 1)
                     break
@@ -156,7 +157,8 @@ def markdown(rows: list[dict], budget: int) -> str:
         t = [val.get((ds, budget, "tree", b)) for b in sizes]
         c = [val.get((ds, budget, "chain", b)) for b in sizes]
         if all(t) and all(c):
-            lines.append(f"| {ds} | tree/chain | " + " | ".join(f"**{x / y:.2f}**" for x, y in zip(t, c)) + " |")
+            ratios = " | ".join(f"**{x / y:.2f}**" for x, y in zip(t, c, strict=True))
+            lines.append(f"| {ds} | tree/chain | {ratios} |")
     return "\n".join(lines)
 
 
@@ -166,12 +168,12 @@ def plot(rows: list[dict], path: Path, budget: int) -> None:
     import matplotlib.pyplot as plt
     datasets = sorted({r["dataset"] for r in rows})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=False):
         for shape, d, color in (("tree", budget, "tab:green"), ("chain", budget, "tab:blue"), ("none", 1, "gray")):
             pts = sorted((r["batch_size"], r["throughput"]) for r in rows
                          if r["dataset"] == ds and r["shape"] == shape and r["budget"] == d)
             if pts:
-                ax.plot(*zip(*pts), "o-", color=color, label=f"{shape}" + (f" D={d}" if d > 1 else ""))
+                ax.plot(*zip(*pts, strict=False), "o-", color=color, label=f"{shape}" + (f" D={d}" if d > 1 else ""))
         ax.set_xscale("log", base=2)
         ax.set_title(f"{ds} (predicted, 4xH200)")
         ax.set_xlabel("batch size")
@@ -206,7 +208,7 @@ def main() -> None:
         plot(rows, Path(a.png), a.budget)
     if a.json:
         with open(a.json, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(json.dumps({**r, "commit": bc.git_commit()}) + "\n" for r in rows)
 
 
 if __name__ == "__main__":

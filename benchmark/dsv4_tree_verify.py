@@ -18,9 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "test"))
-from support.hf_reference import C, H, S, build_hf, ours_from_hf  # noqa: E402
-from sglang_tree_v4.testing.runner import DSV4Runner  # noqa: E402
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier, tree_paths  # noqa: E402
+from sglang_tree_v4.testing.runner import DSV4Runner  # noqa: E402
+from support.hf_reference import C, H, S, build_hf, ours_from_hf  # noqa: E402
 
 
 def eagle_like(D: int) -> list[int]:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import git_commit
 
 # V4-Flash attention dimensions
 HEADS, HEAD_DIM, WINDOW, TOPK, ROPE_DIMS, INDEX_DIM = 64, 512, 128, 512, 64, 128
@@ -80,7 +81,7 @@ def bench_attention(out_file, sizes, args) -> bool:
             bytes_moved = 2 * (2 * n * HEADS * HEAD_DIM + rows * HEAD_DIM) + 4 * n * (WINDOW + t_b)
             flops = 4 * HEADS * HEAD_DIM * valid
             for backend in ("triton", "torch"):
-                fn = lambda: ops.tree_sparse_attention(**case, backend=backend)  # noqa: E731
+                fn = lambda case=case, backend=backend: ops.tree_sparse_attention(**case, backend=backend)  # noqa: E731
                 err = rel_err(fn(), ref)
                 ok = err <= TOLERANCE[torch.bfloat16]
                 all_ok &= ok
@@ -108,7 +109,7 @@ def bench_compress(out_file, sizes, args) -> bool:
             bytes_moved = entries * slots * (2 * width * 4 + 4) + entries * width * 4
             flops = entries * width * (slots * 6 + 10)
             for backend in ("triton", "torch"):
-                fn = lambda: ops.compress_entries(**case, backend=backend)  # noqa: E731
+                fn = lambda case=case, backend=backend: ops.compress_entries(**case, backend=backend)  # noqa: E731
                 err = rel_err(fn(), ref)
                 ok = err <= TOLERANCE[torch.float32]
                 all_ok &= ok
@@ -135,9 +136,9 @@ def bench_window(out_file, sizes, args) -> bool:
         flops = 4 * HEADS * HEAD_DIM * valid
         for backend in ("flashinfer", "triton", "torch"):
             if backend == "flashinfer":
-                fn = lambda: tree_window_attention_flashinfer(**case)  # noqa: E731
+                fn = lambda case=case: tree_window_attention_flashinfer(**case)  # noqa: E731
             else:
-                fn = lambda: ops.tree_window_attention(**case, backend=backend)  # noqa: E731
+                fn = lambda case=case, backend=backend: ops.tree_window_attention(**case, backend=backend)  # noqa: E731
             try:
                 err = rel_err(fn(), ref)
                 ms = median_ms(fn)
@@ -173,7 +174,8 @@ def main() -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with out_path.open("a") as out_file:
-        meta = dict(op="meta", device=torch.cuda.get_device_name(), torch=torch.__version__, started=started)
+        meta = dict(op="meta", device=torch.cuda.get_device_name(), torch=torch.__version__, started=started,
+                    commit=git_commit())
         out_file.write(json.dumps(meta) + "\n")
         ok = bench_attention(out_file, sizes, args)
         ok &= bench_compress(out_file, sizes, args)

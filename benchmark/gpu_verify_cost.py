@@ -14,7 +14,7 @@ matched chain and for an EAGLE-like tree of the same D; D=1 is plain decoding (n
 (op, shape, b, D): tokens = b*D, median_ms, layers, experts, ...
 
     python benchmark/gpu_verify_cost.py [--out benchmark/results/gpu_verify_cost.jsonl] [--quick]
-    python benchmark/cost_model.py benchmark/results/sweep_cpu.jsonl \
+    python benchmark/cost_model.py benchmark/results/tree_vs_chain_cpu.jsonl \
         --verify-curve benchmark/results/gpu_verify_cost.jsonl
 
 Without CUDA it says so and exits with status 2 (``--allow-cpu`` runs a tiny-shape smoke test of the code path).
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import git_commit
 
 
 def flash_like_config(layers: list[int], experts: int, hidden: int, heads: int, moe_inter: int, vocab: int,
@@ -170,8 +171,8 @@ def main() -> int:
 
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.dsv4.tree_state import TreeVerifier
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     ratios = [int(x) for x in a.layers.split(",")]
     cfg = DSV4Config.from_dict(flash_like_config(ratios, a.experts, a.hidden, a.heads, a.moe_inter, a.vocab,
@@ -205,7 +206,7 @@ def main() -> int:
                     par = torch.tensor([par_list] * b, dtype=torch.long, device=dev)
                     nn = torch.full((b,), d, dtype=torch.long, device=dev)
 
-                    def once():
+                    def once(sub=sub, toks=toks, par=par, nn=nn):
                         tv.verify(sub, toks, par, nn)
                         for r in sub:
                             tv.rollback(r)
@@ -219,7 +220,7 @@ def main() -> int:
                         rec = {"op": op, "shape": shape, "batch_size": b, "budget": d, "tokens": b * d,
                                "median_ms": ms, "layers": len(ratios), "compress_ratios": ratios,
                                "experts": a.experts, "hidden": a.hidden, "context": a.context, "dtype": str(dtype),
-                               "device": name, "torch": torch.__version__}
+                               "device": name, "torch": torch.__version__, "commit": git_commit()}
                         out.write(json.dumps(rec) + "\n")
                         out.flush()
                         print(f"{op:>10} {shape:>5} D={d} b={b:>3} tokens={b * d:>4}: {ms:8.2f} ms", flush=True)

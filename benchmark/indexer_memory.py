@@ -7,7 +7,8 @@ Runs ``dsv4.compressor.Indexer.select`` on the CPU at V4-Flash indexer shapes (6
 hidden 4096, q rank 1024) for ``--queries`` queries at the end of a ``--context``-token sequence (one index key per
 4 tokens), once with the whole context in one chunk (the algorithm before chunking) and once with the default
 chunk, then in chunks with fixed shapes (every query scores ``--capacity / 4`` entries, the ones past its context
-masked, as a captured step does), and records the peak of the bytes held by tensors created inside the call (a ``TorchDispatchMode`` that
+masked, as a captured step does), and records the peak of the bytes held by tensors created inside the call (a
+``TorchDispatchMode`` that
 follows every op's outputs until they are freed). The temporaries grow with queries x entries x (heads + head dim)
 in one pass and stay at the chunk's size in chunks, padded or not; the selected entries are checked to be the same.
 """
@@ -19,7 +20,7 @@ import json
 import weakref
 
 import torch
-from bench_common import write_records
+from bench_common import git_commit, write_records
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -51,12 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=262144,
                     help="context capacity of the fixed-shape run (entries padded up to capacity / 4)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="benchmark/results/indexer_memory_cpu.jsonl")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from sglang_tree_v4.dsv4 import compressor
     from sglang_tree_v4.dsv4.rope import Rope
-    from sglang_tree_v4.dsv4.storage import ForwardBatch, LayerLayout, SlotStore, SlotTable, StepCaps
+    from sglang_tree_v4.dsv4.storage import (
+        ForwardBatch,
+        LayerLayout,
+        SlotStore,
+        SlotTable,
+        StepCaps,
+    )
 
     heads, ihd, topk, dim, q_rank = 64, 128, 512, 4096, 1024
     g = torch.Generator().manual_seed(0)
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         records.append({"bench": "indexer_memory", "mode": mode, "context": L, "entries": entries, "queries": n,
                         "capacity": None if caps is None else caps.max_context,
                         "chunk_entries": min(indexer.chunk_entries(n), entries), "peak_temp_bytes": tracker.peak,
-                        "peak_temp_bytes_per_query": tracker.peak // n})
+                        "peak_temp_bytes_per_query": tracker.peak // n, "commit": git_commit()})
         print(json.dumps(records[-1]), flush=True)
     for mode in ("chunks", "chunks, fixed shapes"):
         assert torch.equal(chosen["one pass"], chosen[mode]), f"{mode}: selection differs"

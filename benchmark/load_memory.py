@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 
+from bench_common import git_commit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = dict(vocab_size=16384, hidden_size=1024, num_attention_heads=8, head_dim=128, q_lora_rank=256,
               o_groups=4, o_lora_rank=128, n_routed_experts=32, moe_intermediate_size=512, index_n_heads=8,
@@ -41,9 +43,9 @@ def _status(field: str) -> int:
 def write_checkpoint(path: str) -> None:
     import torch
 
+    from sglang_tree_v4.checkpoint.weights import save_published
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.checkpoint.weights import save_published
 
     with open(os.path.join(ROOT, "models", "tiny-v4", "config.json")) as f:
         raw = json.load(f)
@@ -63,10 +65,14 @@ def measure_rank(path: str, tp: int, rank: int) -> dict:
     from safetensors import safe_open
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.checkpoint.swap import build_model, parameter_bytes
     from sglang_tree_v4.checkpoint.tp import shard_model
-    from sglang_tree_v4.checkpoint.weights import _FILE_DTYPES, StreamingLoader, iter_safetensors
+    from sglang_tree_v4.checkpoint.weights import (
+        _FILE_DTYPES,
+        StreamingLoader,
+        iter_safetensors,
+    )
+    from sglang_tree_v4.dsv4.config import DSV4Config
 
     torch.set_num_threads(1)
     largest = 0
@@ -131,6 +137,7 @@ def main() -> None:
                                   capture_output=True, text=True, check=True)
             row = json.loads(done.stdout.strip().splitlines()[-1])
             row["checkpoint_bytes"] = on_disk
+            row["commit"] = git_commit()
             rows.append(row)
             print(json.dumps(row))
     with open(args.out, "w") as f:

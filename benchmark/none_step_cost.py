@@ -1,7 +1,7 @@
 """What a TREE_V4 step that does not speculate costs, against plain decoding, side by side on real servers.
 
     python benchmark/none_step_cost.py [--model-path models/tiny-v4] [--batch-sizes 16 64] [--max-new-tokens 128]
-        [--repeats 4] [--servers NAME ...] [--out FILE.jsonl]
+        [--repeats 4] [--servers NAME ...] [--out benchmark/results/none_step_cost_cpu.jsonl]
 
 Why: where no tree pays (large batches on a CPU), the adaptive budget runs nearly every step without speculation,
 so its throughput there is that step's against plain SGLang's decode step. By default four servers run side by
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
-from sglang_tree_v4 import launcher  # noqa: E402
+
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV  # noqa: E402
+from sglang_tree_v4.testing import launcher  # noqa: E402
 from support import serving_checks  # noqa: E402
 
 NO_OVERLAP = ["--disable-overlap-schedule"]
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--servers", nargs="+", choices=sorted(SERVERS), default=list(SERVERS)[:4])
     ap.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "mbpp", "sharegpt"])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "none_step_cost_cpu.jsonl"))
     args = ap.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="none_step_cost_"))
     common = ["--device", "cpu", "--sleep-on-idle", "--max-running-requests", str(max(args.batch_sizes)),

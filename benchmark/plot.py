@@ -1,7 +1,7 @@
 """Plots of a sweep's JSONL: accept length vs budget (tree vs chain, per dataset), throughput vs batch size, and
 the tree/chain throughput-ratio heat map. PNGs go next to the JSONL unless ``--out-dir`` says otherwise.
 
-    python benchmark/plot.py benchmark/results/sweep_cpu.jsonl [--out-dir benchmark/results]
+    python benchmark/plot.py benchmark/results/tree_vs_chain_cpu.jsonl [--out-dir benchmark/results]
 
 Accept length per (dataset, budget, shape) pools every batch size's requests (greedy decoding makes it independent
 of batching), weighted by request count.
@@ -50,11 +50,11 @@ def plot_accept(records: list[dict], out: Path) -> Path:
     acc = pooled_accept(records)
     datasets = sorted({k[0] for k in acc})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False, sharey=True)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=False):
         for shape in ("tree", "chain"):
             pts = sorted((d, v) for (dd, d, s), v in acc.items() if dd == ds and s == shape)
             if pts:
-                ax.plot(*zip(*pts), "o-", color=COLORS[shape], label=shape)
+                ax.plot(*zip(*pts, strict=False), "o-", color=COLORS[shape], label=shape)
         ax.set_xticks(sorted({k[1] for k in acc if k[0] == ds}))
         ax.set_title(ds)
         ax.set_xlabel("budget D (tokens verified per request per pass)")
@@ -62,7 +62,7 @@ def plot_accept(records: list[dict], out: Path) -> Path:
     axes[0][0].set_ylabel("accept length (tokens per verify pass)")
     axes[0][0].legend()
     fig.tight_layout()
-    path = out / "accept_vs_budget.png"
+    path = out / "tree_vs_chain_accept.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -73,18 +73,18 @@ def plot_throughput(records: list[dict], out: Path) -> Path:
     budgets = sorted({r["budget"] for r in records if r["shape"] != "none"})
     show = [b for b in (budgets[0], budgets[-1]) if b] if budgets else []
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=False):
         for shape in ("tree", "chain"):
             for d in sorted(set(show)):
                 pts = sorted((r["batch_size"], r["output_throughput"]) for r in records
                              if r["dataset"] == ds and r["shape"] == shape and r["budget"] == d)
                 if pts:
-                    ax.plot(*zip(*pts), "o-" if d == show[-1] else "s--", color=COLORS[shape],
+                    ax.plot(*zip(*pts, strict=False), "o-" if d == show[-1] else "s--", color=COLORS[shape],
                             alpha=1.0 if d == show[-1] else 0.55, label=f"{shape} D={d}")
         pts = sorted((r["batch_size"], r["output_throughput"]) for r in records
                      if r["dataset"] == ds and r["shape"] == "none")
         if pts:
-            ax.plot(*zip(*pts), "^-", color=COLORS["none"], label="no speculation")
+            ax.plot(*zip(*pts, strict=False), "^-", color=COLORS["none"], label="no speculation")
         ax.set_xscale("log", base=2)
         ax.set_title(ds)
         ax.set_xlabel("batch size (requests in flight)")
@@ -92,7 +92,7 @@ def plot_throughput(records: list[dict], out: Path) -> Path:
     axes[0][0].set_ylabel("output throughput (tokens/s)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path = out / "throughput_vs_batch.png"
+    path = out / "tree_vs_chain_throughput.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -112,7 +112,7 @@ def plot_ratio(records: list[dict], out: Path) -> Path:
     datasets = sorted({r["dataset"] for r in records})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.4 * len(datasets), 3.4), squeeze=False)
     im = None
-    for ax, ds in zip(axes[0], datasets):
+    for ax, ds in zip(axes[0], datasets, strict=False):
         budgets, sizes, rows = ratio_grid(records, ds)
         data = [[v if v is not None else float("nan") for v in row] for row in rows]
         im = ax.imshow(data, cmap="RdYlGn", vmin=0.6, vmax=1.4, aspect="auto", origin="lower")
@@ -128,7 +128,7 @@ def plot_ratio(records: list[dict], out: Path) -> Path:
     fig.subplots_adjust(bottom=0.2, top=0.88, wspace=0.35)
     if im is not None:
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-    path = out / "ratio_heatmap.png"
+    path = out / "tree_vs_chain_ratio.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

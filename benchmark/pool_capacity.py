@@ -2,7 +2,7 @@
 
     python benchmark/pool_capacity.py --sources OLD_TREE NEW_TREE [--model-path models/tiny-v4]
         [--mem-fraction-static 0.15] [--swa-full-tokens-ratio 0.5] [--kv-cache-dtypes auto fp8_e4m3]
-        [--repeats 2] [--out FILE.jsonl]
+        [--repeats 2] [--out benchmark/results/pool_capacity.jsonl]
 
 Each source tree (a checkout of this repository, e.g. ``git worktree add /tmp/old COMMIT``) is put first on the
 server's ``PYTHONPATH`` and a plain ``sglang.launch_server`` is started with ``--mem-fraction-static`` (the budget:
@@ -28,7 +28,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
-from sglang_tree_v4 import launcher  # noqa: E402
+from sglang_tree_v4.testing import launcher  # noqa: E402
 
 
 def commit_of(tree: str) -> str:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--swa-full-tokens-ratio", type=float, default=0.5)
     ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"])
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "pool_capacity.jsonl"))
     args = ap.parse_args(argv)
     runs = [(tree, dt) for tree in args.sources for dt in args.kv_cache_dtypes]
     got: dict[tuple[str, str], list[int]] = {run: [] for run in runs}

@@ -2,7 +2,8 @@
 round, and the wall clock, for a pinned TREE_V4 shape against TREE_V4 never speculating, side by side.
 
     python benchmark/round_accounting.py [--model-path models/tiny-v4] [--dataset gsm8k] [--batch-size 32]
-        [--waves 2] [--shape 2:1:1 | --shape adaptive] [--repeats 3] [--max-new-tokens 64] [--out FILE.jsonl]
+        [--waves 2] [--shape 2:1:1 | --shape adaptive] [--repeats 3] [--max-new-tokens 64]
+        [--out benchmark/results/round_accounting_cpu.jsonl]
 
 Why: the adaptive budget compares shapes by the time of the rounds it observes, back-to-back decode rounds at one
 batch size (``TreeV4Worker._account``). A run's wall clock holds more: the rounds at other batch sizes (a batch
@@ -36,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
-from sglang_tree_v4 import launcher  # noqa: E402
 from served_step_breakdown import ROUND  # noqa: E402  (the worker's per-round debug line)
+
+from sglang_tree_v4.testing import launcher  # noqa: E402
 from support import serving_checks  # noqa: E402
 
 PREFILL = re.compile(r"Prefill batch")
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", default="2:1:1", help="the pinned server's D:K:S, or 'adaptive' (no shape flags)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "round_accounting_cpu.jsonl"))
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="round_accounting_"))
     common = ["--device", "cpu", "--sleep-on-idle", "--log-level", "debug", "--speculative-algorithm", "TREE_V4",

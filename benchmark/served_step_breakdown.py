@@ -1,9 +1,9 @@
 """Where a served TREE_V4 round goes, per shape, against the adaptive budget's startup model.
 
     python benchmark/served_step_breakdown.py [--model-path models/tiny-v4] [--datasets sharegpt gsm8k]
-        [--batch-size 16] [--waves 4] [--max-new-tokens 64] [--out FILE.jsonl]
+        [--batch-size 16] [--waves 4] [--max-new-tokens 64] [--out benchmark/results/served_step_breakdown_cpu.jsonl]
 
-Why: the adaptive budget compares shapes by a step-time model measured at startup (``step_timer``: the MTP draft
+Why: the adaptive budget compares shapes by a step-time model measured at startup (``adaptive.measure``: the MTP draft
 and the target's verify forward, on scratch state) and corrected by a fit over served steps. Where the model is
 wrong by a different factor per shape, the fit has to learn that shape by shape. This script shows, per shape,
 what the model holds against what a server spends. One server runs the adaptive default forced through every
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
-from sglang_tree_v4 import launcher  # noqa: E402
-from sglang_tree_v4.speculative.adaptive_budget import StepTimes  # noqa: E402
+
+from sglang_tree_v4.speculative.adaptive.timing import StepTimes  # noqa: E402
+from sglang_tree_v4.testing import launcher  # noqa: E402
 from support import serving_checks  # noqa: E402
 
 ROUND = re.compile(r"TREE_V4 step: batch (\d+), shape (\S+), accepted (\d+), draft ([\d.]+) ms, verify ([\d.]+) ms, "
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "served_step_breakdown_cpu.jsonl"))
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="served_step_breakdown_"))
     log = folder / "server.log"

@@ -3,7 +3,7 @@
     python benchmark/sweep.py [--quick] [--datasets gsm8k mbpp sharegpt] [--budgets 5 6 7 8]
         [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
         [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8 --waves 1] [--max-new-tokens 64]
-        [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/sweep.jsonl] [--resume]
+        [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/tree_vs_chain_cpu.jsonl] [--resume]
         [--reuse-step-times]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 import bench_prompts  # noqa: E402
 import bench_server  # noqa: E402
-from sglang_tree_v4 import launcher  # noqa: E402
+
 from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature  # noqa: E402
+from sglang_tree_v4.testing import launcher  # noqa: E402
 
 QUICK = {"datasets": ["gsm8k"], "budgets": [6], "batch_sizes": [1, 4], "min_prompts": 4, "max_new_tokens": 16}
 
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore it, fixed length)")
     ap.add_argument("--device", default=None, help="launch_server --device (default: cuda if present, else cpu)")
     ap.add_argument("--server-args", default="", help="extra launch_server flags, one quoted string")
-    ap.add_argument("--out", default=str(bc.ROOT / "benchmark" / "results" / "sweep.jsonl"))
+    ap.add_argument("--out", default=str(bc.ROOT / "benchmark" / "results" / "tree_vs_chain_cpu.jsonl"))
     ap.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     ap.add_argument("--max-servers", type=int, default=2,
                     help="servers of one budget run side by side (tree and chain measured alternately)")
@@ -97,7 +98,11 @@ def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     if "none" in args.shapes:
         out.append(("none", 1, 0, 0))
     if "adaptive" in args.shapes:
-        from sglang_tree_v4.speculative.server_args import DEFAULT_DRAFT_TOKENS, DEFAULT_STEPS, DEFAULT_TOPK
+        from sglang_tree_v4.speculative.server_args import (
+            DEFAULT_DRAFT_TOKENS,
+            DEFAULT_STEPS,
+            DEFAULT_TOPK,
+        )
         out.append(("adaptive", DEFAULT_DRAFT_TOKENS, DEFAULT_TOPK, DEFAULT_STEPS))
     return out
 

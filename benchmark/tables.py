@@ -1,7 +1,8 @@
 """Markdown tables for RESULTS.md from sweep JSONL: accept length tree vs chain per (dataset, D), throughput per
 batch size with the tree/chain ratio, and a table of explicit tree shapes (a ``--tree-shapes`` run).
 
-    python benchmark/tables.py benchmark/results/sweep_cpu.jsonl [--shapes benchmark/results/shapes_d8.jsonl]
+    python benchmark/tables.py benchmark/results/tree_vs_chain_cpu.jsonl
+        [--shapes benchmark/results/tree_shapes_d8_gsm8k_cpu.jsonl]
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def throughput_table(records: list[dict], ds: str) -> str:
     none = [val.get((1, n, "none")) for n in sizes]
     if any(v is not None for v in none):
         lines.append("| - | no spec | " + " | ".join(f"{v:.0f}" if v else "" for v in none) + " |")
-    for b, row in zip(budgets, rows):
+    for b, row in zip(budgets, rows, strict=False):
         for shape in ("tree", "chain"):
             cells = [val.get((b, n, shape)) for n in sizes]
             lines.append(f"| {b} | {shape} | " + " | ".join(f"{v:.0f}" if v else "" for v in cells) + " |")
@@ -53,7 +54,7 @@ def ratio_summary(records: list[dict]) -> str:
     lines = ["| dataset | " + " | ".join(f"D={d}" for d in all_budgets) + " |", "|---|" + "---|" * len(all_budgets)]
     for ds in sorted({r["dataset"] for r in records}):
         budgets, _, rows = ratio_grid(records, ds)
-        med = {b: statistics.median([v for v in row if v is not None]) for b, row in zip(budgets, rows)
+        med = {b: statistics.median([v for v in row if v is not None]) for b, row in zip(budgets, rows, strict=False)
                if any(v is not None for v in row)}
         lines.append(f"| {ds} | " + " | ".join(f"{med[d]:.2f}" if d in med else "" for d in all_budgets) + " |")
     return "\n".join(lines)

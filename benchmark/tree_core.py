@@ -18,8 +18,14 @@ import statistics
 import time
 
 import torch
+from bench_common import git_commit
 
-from sglang_tree_v4.tree import SamplingParams, build_draft_tree, verify_greedy, verify_sampling
+from sglang_tree_v4.tree import (
+    SamplingParams,
+    build_draft_tree,
+    verify_greedy,
+    verify_sampling,
+)
 from sglang_tree_v4.tree.synthetic import FixedLogitsDrafter
 
 
@@ -75,8 +81,8 @@ def run_config(batch: int, nodes: int, topk: int, steps: int, args: argparse.Nam
     accept = None
     for rep in range(args.repeats + 1):
         t_build, tree = timed(build)
-        t_greedy, greedy = timed(lambda: verify_greedy(tree, target))
-        t_sample, sampled = timed(lambda: verify_sampling(tree, target, params, generator=sample_gen))
+        t_greedy, greedy = timed(lambda tree=tree: verify_greedy(tree, target))
+        t_sample, sampled = timed(lambda tree=tree: verify_sampling(tree, target, params, generator=sample_gen))
         if rep == 0:
             accept = (greedy.accept_lens.float().mean().item(), sampled.accept_lens.float().mean().item())
             continue
@@ -108,6 +114,7 @@ def run_config(batch: int, nodes: int, topk: int, steps: int, args: argparse.Nam
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "commit": git_commit(),
     }
 
 

@@ -6,7 +6,7 @@
 Why: the fixed-shape forward (``StepCaps``) is what a GPU needs (no host reads, capturable), but it pools a
 would-be compressed entry for every query and pads every entry list to a context bucket. On a CPU nothing drains,
 so the server runs the eager forward there unless ``SGLANG_TREE_V4_FIXED_SHAPES=1``; this measures what that
-choice is worth. The forward is ``step_timer.verify_forward`` (the adapter's tables and caps, as the server and the
+choice is worth. The forward is ``measure.verify_forward`` (the adapter's tables and caps, as the server and the
 adaptive budget's startup measurement run it) on the embedded model, committed contexts of 200-399 tokens, ``d``
 nodes per request; the two modes alternate within each round; medians over rounds after the first.
 """
@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 8])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(ROOT / "benchmark" / "results" / "verify_forward_modes_cpu.jsonl"))
     args = ap.parse_args()
 
     import torch
 
-    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.checkpoint.weights import load_model
-    from sglang_tree_v4.speculative.step_timer import verify_forward
+    from sglang_tree_v4.speculative.adaptive.measure import verify_forward
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -48,7 +48,7 @@ def main() -> None:
         lens = [200 + (i * 37) % 200 for i in range(B)]
         runner = DSV4Runner(model, num_slots=B * (400 + most) + 64, max_len=512, max_reqs=B)
         rids = [runner.add_request() for _ in range(B)]
-        for rid, L in zip(rids, lens):
+        for rid, L in zip(rids, lens, strict=False):
             runner.extend([rid], [[rng.randrange(2, V) for _ in range(L)]])
         table = runner.req_table[torch.tensor(rids)]
         for b, L in enumerate(lens):  # the verify slots the server reserves after the committed positions

@@ -1,7 +1,7 @@
 """Per-verify-step time on the CPU, two checkouts side by side: the eager verify (lists sized by the batch) of an
 earlier commit against this tree's fixed-shape step (``dsv4.verify_step``).
 
-    python benchmark/verify_step_time.py [--before 8dafcd5] [--batch 64] [--D 8] [--rounds 5] \
+    python benchmark/verify_step_time.py [--before COMMIT] [--batch 64] [--D 8] [--rounds 5] \
         [--out benchmark/results/verify_step_time_cpu.jsonl]
 
 One step = the target's verify forward over B trees of D nodes (embedded model, committed contexts of 60-123
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import write_records
+from bench_common import git_commit, write_records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -40,9 +40,9 @@ def time_steps(variant: str, batch: int, D: int, reps: int) -> list[float]:
     """Runs inside the checkout under test (its ``python`` folders first on sys.path)."""
     import torch
 
-    from sglang_tree_v4.testing.runner import DSV4Runner
-    from sglang_tree_v4.dsv4.tree_state import TreeVerifier
     from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.dsv4.tree_state import TreeVerifier
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.tree import DraftTree, verify_greedy
 
     torch.set_num_threads(1)
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="benchmark/results/verify_step_time_cpu.jsonl")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "CHECKOUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -114,7 +114,7 @@ def main() -> None:
     med = {v: statistics.median(t) for v, t in times.items()}
     records = [{"bench": "verify_step_time", "variant": v, "before_commit": args.before, "batch": args.batch,
                 "D": args.D, "steps": len(t), "median_ms": round(1e3 * med[v], 2),
-                "vs_before": round(med[v] / med["before"], 3)} for v, t in times.items()]
+                "vs_before": round(med[v] / med["before"], 3), "commit": git_commit()} for v, t in times.items()]
     for r in records:
         print(json.dumps(r))
     write_records(args.out, records)
