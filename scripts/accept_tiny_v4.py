@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
-    from sglang_tree_v4.testing.runner import DSV4Runner
+
     from sglang_tree_v4.checkpoint.weights import load_model
-    from sglang_tree_v4.testing.offline import plain_greedy, speculative_greedy
     from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature
+    from sglang_tree_v4.testing.offline import plain_greedy, speculative_greedy
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     model = load_model(args.model)
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_v4_data as data  # noqa: E402
 import tiny_v4_model as tm  # noqa: E402
+
 from sglang_tree_v4.testing.offline import plain_greedy  # noqa: E402
 
 TEMPERATURES = [round(0.05 * 1.05 ** i, 4) for i in range(76)]  # 0.05 .. ~2.0, 5% apart
@@ -72,14 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
-    from sglang_tree_v4.testing.runner import DSV4Runner
+
     from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     model = load_model(args.model).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     runner = DSV4Runner(model, num_slots=4096, max_len=2048, max_reqs=2)
     logits, labels = [], []
-    for name, prompts in training_prompts(tokenizer, args.n).items():
+    for _name, prompts in training_prompts(tokenizer, args.n).items():
         for p in prompts:
             lg, lb = draft_logits_and_labels(model, runner, p, args.max_new)
             logits.append(lg)

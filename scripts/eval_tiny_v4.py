@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
+
     from sglang_tree_v4.checkpoint.weights import load_model
 
     model = load_model(args.model)

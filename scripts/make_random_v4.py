@@ -16,9 +16,9 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from sglang_tree_v4.checkpoint.weights import deepseek_state
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.checkpoint.weights import deepseek_state
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float) -> None:

@@ -42,7 +42,7 @@ def test_copy_all_layer_kv_cache_moves_whole_rows():
     strides = torch.tensor([b[0].numel() * b.element_size() for b in buffers])
     tgt, src = torch.tensor([2, 3, 4]), torch.tensor([3, 4, 9])  # overlapping: 3 and 4 are read and written
     kernel_ops.copy_all_layer_kv_cache(ptrs, strides, tgt, src)
-    for b, old in zip(buffers, before):
+    for b, old in zip(buffers, before, strict=False):
         want = old.clone()
         want[tgt] = old[src]
         assert torch.equal(b, want)

@@ -15,7 +15,6 @@ import pytest
 import requests
 
 from sglang_tree_v4.testing import launcher as srv
-
 from sglang_tree_v4.testing import prompts
 from support import tiny_llama
 
@@ -74,7 +73,8 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(servers):
 
 def test_ngram_greedy_equals_plain(servers):
     plain, ngram = servers
-    texts = [r["question"] for r in prompts.gsm8k("test")[:4]] + [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:3]]
+    texts = [r["question"] for r in prompts.gsm8k("test")[:4]]
+    texts += [prompts.mbpp_prompt(r) for r in prompts.mbpp("test")[:3]]
     for prompt in texts:
         a, b = greedy(plain, prompt), greedy(ngram, prompt)
         assert a["output_ids"] == b["output_ids"], prompt
@@ -97,7 +97,7 @@ def test_ngram_concurrent_batch_equals_plain(servers):
     texts = [r["question"] for r in prompts.gsm8k("test")[6:14]]
     with cf.ThreadPoolExecutor(len(texts)) as pool:
         spec = list(pool.map(lambda p: greedy(ngram, p), texts))
-    for prompt, out in zip(texts, spec):
+    for prompt, out in zip(texts, spec, strict=False):
         assert out["output_ids"] == greedy(plain, prompt)["output_ids"], prompt
 
 

@@ -11,13 +11,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
-from sglang_tree_v4.dsv4.config import ConfigError
-from sglang_tree_v4.checkpoint.swap import parameter_bytes
-from sgl_kernel_ext.weight_formats import dequantize_fp4, pack_fp4, quantize_fp4, quantize_fp8_block, unpack_fp4
+from sgl_kernel_ext.weight_formats import (
+    dequantize_fp4,
+    pack_fp4,
+    quantize_fp4,
+    quantize_fp8_block,
+    unpack_fp4,
+)
 from sglang_tree_v4.checkpoint.quantized_modules import FP4Experts, FP8BlockLinear
-from sglang_tree_v4.checkpoint.weights import CheckpointError, load_model, save_checkpoint, save_published
+from sglang_tree_v4.checkpoint.swap import parameter_bytes
+from sglang_tree_v4.checkpoint.weights import (
+    CheckpointError,
+    load_model,
+    save_checkpoint,
+    save_published,
+)
+from sglang_tree_v4.dsv4.config import ConfigError
 from support import real_format as rf
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 
 TOL = 1e-4
 
@@ -169,6 +180,7 @@ def _footprint(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_footprint_of_the_published_v4_flash_config():
     """The footprint report at V4-Flash shapes (meta device, no memory): the routed experts are held as FP4 bytes
     plus e8m0 scales, exactly (43 + 1 MTP) x 256 experts x 3 matrices x 2048 x 4096 x (1/2 + 1/32) bytes, and the
@@ -193,6 +205,7 @@ def test_footprint_of_the_published_v4_flash_config():
     assert last["param_bytes_per_rank"] == reports[8]["param_bytes_per_rank"] and last["tp_rank"] == 7
 
 
+@pytest.mark.slow
 def test_footprint_state_of_the_published_v4_flash_config():
     """The state part of the report at V4-Flash shapes, bf16, measured from the hybrid pool the server builds.
     Pages are 128 slots (whole CSA and HCA blocks), so a token slot's share of the entries is one CSA entry (512 +
@@ -254,6 +267,7 @@ def test_footprint_state_of_the_published_v4_flash_config():
     assert bad.returncode == 2 and "--kv-cache-dtype fp8_e5m2" in bad.stderr, bad.stderr[-500:]
 
 
+@pytest.mark.slow
 def test_footprint_names_a_tp_that_does_not_divide():
     import subprocess
     import sys
@@ -277,11 +291,19 @@ def test_sglang_sizes_the_pool_by_each_layers_own_width(config):
     import torch
 
     from sglang_tree_v4.dsv4.config import DSV4Config
-    from sglang_tree_v4.serving.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, model_state_pool_class,
-                                                 ring_layer_columns, ring_layer_widths, state_page_size,
-                                                 token_columns_per_slot,
-                                                 token_layer_ratios, token_layer_widths, window_layer_widths)
     from sglang_tree_v4.dsv4.storage import ring_period
+    from sglang_tree_v4.serving.sglang_pool import (
+        TOKEN_LABEL,
+        WINDOW_LABEL,
+        model_state_pool_class,
+        ring_layer_columns,
+        ring_layer_widths,
+        state_page_size,
+        token_columns_per_slot,
+        token_layer_ratios,
+        token_layer_widths,
+        window_layer_widths,
+    )
     from sglang_tree_v4.speculative.model_override import sglang_config, torch_itemsize
     raw = json.loads((Path(__file__).resolve().parents[1] / config).read_text())
     cfg = DSV4Config.from_dict(raw)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 from sglang_tree_v4.testing.runner import DSV4Runner
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 
 TOL = 1e-4
 
@@ -40,7 +40,7 @@ def test_irregular_chunks(case):
     cuts = [0, 1, 8, 9, 22, 23, 40, 77, 78, 101, len(ids)]
     if len(ids) > 200:
         cuts = cuts[:-1] + [129, 130, 255, 256, 257, len(ids)]
-    got = torch.cat([r.extend([rid], [ids[a:b]])[0].logits for a, b in zip(cuts, cuts[1:])])
+    got = torch.cat([r.extend([rid], [ids[a:b]])[0].logits for a, b in zip(cuts, cuts[1:], strict=False)])
     assert rel_err(got, ref) <= TOL
 
 
@@ -100,7 +100,13 @@ def test_full_sequence_forward_is_differentiable_and_batched():
 def test_store_over_external_per_layer_buffers(case):
     """The store can wrap caller-owned [num_slots, width] buffers (an SGLang KV pool: window rows, token rows): all
     state lands in them, and copying whole rows between slots moves every piece of every layer."""
-    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, model_layouts, model_token_layouts
+    from sglang_tree_v4.dsv4.storage import (
+        ForwardBatch,
+        SlotStore,
+        SlotTable,
+        model_layouts,
+        model_token_layouts,
+    )
     _, ours, ids, ref = case
     n = 64
     lays, token_lays = model_layouts(ours.cfg), model_token_layouts(ours.cfg)
@@ -117,7 +123,7 @@ def test_store_over_external_per_layer_buffers(case):
         got = ours(fb, store).logits
     assert rel_err(got, ref[:n]) <= TOL
     assert store.all_buffers() == pool + token_pool and all(a is b for a, b in zip(store.all_buffers(),
-                                                                                    pool + token_pool))
+                                                                                    pool + token_pool, strict=False))
     assert torch.isfinite(pool[0][slots]).all() and torch.isnan(pool[0][0]).all()
     # whole-row move to even slots, then continue decoding through the moved rows
     store.copy_rows(slots, slots - 1)
@@ -132,7 +138,8 @@ def test_empty_batch():
     from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
     ours = ours_from_hf(build_hf(8, seed=1))
     e = torch.zeros(0, dtype=torch.long)
-    fb = ForwardBatch(e, e, e, SlotTable(torch.zeros(1, 4, dtype=torch.long), e, e, torch.zeros(0, 0, dtype=torch.long)))
+    table = SlotTable(torch.zeros(1, 4, dtype=torch.long), e, e, torch.zeros(0, 0, dtype=torch.long))
+    fb = ForwardBatch(e, e, e, table)
     with torch.no_grad():
         out = ours(fb, ours.new_store(4))
     assert out.logits.shape == (0, ours.cfg.vocab_size) and out.streams.shape == (0, 4, ours.cfg.hidden_size)
@@ -165,10 +172,12 @@ def test_yarn_attention_factor_matches_transformers(tmp_path, attention_factor):
     inferred, 0.1 ln 16 + 1 = 1.277): transformers scales cos/sin by it, and so must we. The config travels through
     ``save_pretrained``'s config.json; a model that ignores the factor is shown to disagree (the check has power)."""
     import copy
+
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from sglang_tree_v4.checkpoint.weights import load_state
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.checkpoint.weights import load_state
 
     rp = copy.deepcopy(NESTED_YARN)
     if attention_factor is not None:
@@ -227,7 +236,13 @@ def test_window_rows_through_a_mapping(case):
     scattered mapping into a larger buffer must give exactly the identity store's logits (prefill, then decode
     steps reading the window, compressor rows and entries through it), and write window state only at mapped rows;
     a mapping that sends every slot to one row must not (the check can fail)."""
-    from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotStore, SlotTable, model_layouts, model_token_layouts
+    from sglang_tree_v4.dsv4.storage import (
+        ForwardBatch,
+        SlotStore,
+        SlotTable,
+        model_layouts,
+        model_token_layouts,
+    )
     _, ours, ids, ref = case
     n, cfg = 48, ours.cfg
     slots = torch.arange(n)

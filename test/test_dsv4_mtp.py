@@ -3,9 +3,9 @@ chunked vs one-shot, and loading from DeepSeek-named ``mtp.*`` tensors."""
 import pytest
 import torch
 
-from support.hf_reference import build_hf, ours_from_hf, rel_err
-from sglang_tree_v4.testing.runner import DSV4Runner
 from sglang_tree_v4.checkpoint.weights import load_model, save_checkpoint, to_internal
+from sglang_tree_v4.testing.runner import DSV4Runner
+from support.hf_reference import build_hf, ours_from_hf, rel_err
 
 N = 60
 
@@ -25,7 +25,7 @@ def _mtp_run(ours, ids, streams, cuts):
     r = DSV4Runner(ours, num_slots=256)
     rid = r.add_request()
     r.extend([rid], [ids[:N]])
-    outs = [r.mtp_extend([rid], [ids[a + 1:b + 1]], [streams[a:b]])[0] for a, b in zip(cuts, cuts[1:])]
+    outs = [r.mtp_extend([rid], [ids[a + 1:b + 1]], [streams[a:b]])[0] for a, b in zip(cuts, cuts[1:], strict=False)]
     return torch.cat([o.logits for o in outs]), torch.cat([o.streams for o in outs])
 
 

@@ -17,12 +17,25 @@ their blocks still read. Both are checked against the same pages without a ring,
 import pytest
 import torch
 
-from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
-from sglang_tree_v4.serving.sglang_model import commit_accepted_entries, tree_ancestor_slots, verify_table
-from sglang_tree_v4.serving.sglang_pool import entry_ratios, state_page_size
 from sglang_tree_v4.dsv4 import compressor
-from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_layouts,
-                                         model_token_layouts, paged_layouts, ring_period, ring_rows)
+from sglang_tree_v4.dsv4.storage import (
+    ForwardBatch,
+    SlotStore,
+    SlotTable,
+    StepCaps,
+    model_layouts,
+    model_token_layouts,
+    paged_layouts,
+    ring_period,
+    ring_rows,
+)
+from sglang_tree_v4.serving.sglang_model import (
+    commit_accepted_entries,
+    tree_ancestor_slots,
+    verify_table,
+)
+from sglang_tree_v4.serving.sglang_pool import entry_ratios, state_page_size
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 
 torch.set_num_threads(1)
 V, TOL = 512, 1e-4
@@ -193,8 +206,8 @@ def test_prefill_and_decode_logits_match_transformers(model):
                       entry_ratios=entry_ratios(cfg))
     pos = torch.arange(40)
     with torch.no_grad():
-        got = ours(ForwardBatch(ids, pos, table[0, pos], SlotTable.for_requests(table, torch.zeros(40, dtype=torch.long),
-                                                                                pos)), store).logits
+        slots = SlotTable.for_requests(table, torch.zeros(40, dtype=torch.long), pos)
+        got = ours(ForwardBatch(ids, pos, table[0, pos], slots), store).logits
     assert rel_err(got, hf_logits(hf, ids)) <= TOL
 
 

@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from sglang_tree_v4.dsv4.config import ConfigError, DSV4Config
-from sglang_tree_v4.checkpoint.swap import build_model, parameter_bytes
 from sgl_kernel_ext.weight_formats import FP8_DTYPE, dense_weight
+from sglang_tree_v4.checkpoint.swap import build_model, parameter_bytes
 from sglang_tree_v4.checkpoint.weights import StreamingLoader, iter_safetensors
+from sglang_tree_v4.dsv4.config import ConfigError, DSV4Config
 from support import real_format as rf
 
 sglang_parallel = pytest.importorskip("sglang.srt.runtime_context")

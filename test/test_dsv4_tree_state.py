@@ -9,9 +9,14 @@ import random
 import pytest
 import torch
 
-from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.dsv4.tree_state import (
+    TreeVerifier,
+    committed_checksum,
+    greedy_accept,
+    tree_paths,
+)
 from sglang_tree_v4.testing.runner import DSV4Runner
-from sglang_tree_v4.dsv4.tree_state import TreeVerifier, committed_checksum, greedy_accept, tree_paths
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 
 TOL = 1e-4
 V = 512
@@ -125,8 +130,9 @@ def hca8_fp8():
     return make_case(8, HCA8_LENS, 27, seed=41, entry_format="fp8_e4m3")
 
 
-SHAPES8 = lambda rng: [chain(9), star(16), kary(2, 3), kary(3, 2), rand_tree(16, 8, rng), rand_tree(16, 8, rng),
-                       rand_tree(12, 5, rng), chain(16)[:9] + [0, 9, 9, 1, 2, 3, 4]]
+def SHAPES8(rng):  # a table of tree shapes, named as the constants beside it
+    return [chain(9), star(16), kary(2, 3), kary(3, 2), rand_tree(16, 8, rng), rand_tree(16, 8, rng),
+            rand_tree(12, 5, rng), chain(16)[:9] + [0, 9, 9, 1, 2, 3, 4]]
 
 
 def run_tree_case(case, shapes, seed, hf_check=0, tol=TOL):
@@ -140,11 +146,11 @@ def run_tree_case(case, shapes, seed, hf_check=0, tol=TOL):
     snapshot = [b.clone() for b in runner.store.all_buffers()]
     res = tv.verify(rids, toks, par, nn)
     after = committed_checksum(stores, runner.req_table, torch.tensor(rids), lens)
-    assert all(torch.equal(x, y) for x, y in zip(before, after)), "verify changed committed state"
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=False)), "verify changed committed state"
     scratch = torch.cat([tv.scratch[r] for r in rids])
     untouched = torch.ones(runner.store.num_slots, dtype=torch.bool)
     untouched[scratch] = False
-    for b0, b1 in zip(snapshot, runner.store.all_buffers()):  # window rows and token rows
+    for b0, b1 in zip(snapshot, runner.store.all_buffers(), strict=False):  # window rows and token rows
         assert torch.equal(b0[untouched], b1[untouched]), "verify wrote outside its scratch slots"
     oracle_rids = []
     for b, rid in enumerate(rids):

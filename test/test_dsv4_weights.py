@@ -6,9 +6,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
+from sglang_tree_v4.checkpoint.weights import (
+    CheckpointError,
+    deepseek_state,
+    load_model,
+    load_state,
+    save_checkpoint,
+)
 from sglang_tree_v4.dsv4.config import ConfigError, DSV4Config
-from sglang_tree_v4.checkpoint.weights import CheckpointError, deepseek_state, load_model, load_state, save_checkpoint
+from support.hf_reference import build_hf, hf_logits, ours_from_hf, rel_err
 
 FLASH = {  # DeepSeek config.json layout, V4-Flash values
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,

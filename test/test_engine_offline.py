@@ -4,25 +4,15 @@ SGLang)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from sglang_tree_v4.testing import prompts
-from sglang_tree_v4.testing.runner import DSV4Runner
-from sglang_tree_v4.checkpoint.weights import load_model
-from sglang_tree_v4.testing.offline import plain_greedy
+from support.served import EMBEDDED, reference_greedy
 from support.serving_checks import assert_speculation_exercised
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 24
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
-
-
-def reference_greedy(model_path, prompt_ids: list[int], n: int) -> list[int]:
-    runner = DSV4Runner(load_model(str(model_path)), num_slots=1024, max_len=512, max_reqs=2)
-    return plain_greedy(runner, prompt_ids, n)
 
 
 def test_engine_tree_v4_greedy_equals_plain_decoding():
@@ -38,6 +28,6 @@ def test_engine_tree_v4_greedy_equals_plain_decoding():
     finally:
         engine.shutdown()
     torch.set_num_threads(1)
-    for prompt_ids, out in zip(ids, outs):
+    for prompt_ids, out in zip(ids, outs, strict=False):
         assert out["output_ids"] == reference_greedy(EMBEDDED, prompt_ids, NEW_TOKENS)
     assert_speculation_exercised(outs)

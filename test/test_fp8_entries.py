@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.hf_reference import rel_err
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.entry_codec import E4M3_MAX, Fp8Codec, entry_codecs
+from support.hf_reference import rel_err
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +70,8 @@ def test_embedded_model_over_fp8_state_stays_close_to_full_precision():
     """The trained embedded model, prefill logits of chat prompts: fp8 entries and window keys (the fp8 bytes are
     what attention reads) move them from full precision about as much as running the model in bf16 does (at most
     1.5x as much, prompt by prompt; measured 0.7-1.1x), and the entry and window-key buffers are uint8."""
-    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from support.serving_checks import chat_prompt_ids
 
     model = load_model(str(ROOT / "models" / "tiny-v4"))

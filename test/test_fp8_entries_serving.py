@@ -13,24 +13,21 @@ offline fp8 model's, not the full-precision model's.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import requests
 import torch
 
-from sglang_tree_v4.testing import launcher as srv
 from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.testing import launcher as srv
 from support import real_format as rf
+from support import served
 from support import serving_checks as checks
+from support.served import EMBEDDED, TREE
 
 pytestmark = pytest.mark.server
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 NEW_TOKENS = 48
-TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "6", "--speculative-eagle-topk", "3",
-        "--speculative-num-steps", "3"]
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
-COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7", "--sleep-on-idle", *FP8]
+COMMON = served.COMMON + served.SLEEP + FP8
 PUBLISHED = ["--dtype", "float32", "--max-total-tokens", "8192", "--sleep-on-idle", "--tokenizer-path",
              str(rf.EMBEDDED), *FP8]
 
@@ -74,8 +71,8 @@ def test_servers_keep_entries_as_fp8(servers):
 def test_first_token_logprobs_are_the_fp8_models(servers):
     """The plain server's log-probability of its first token, against our model offline over fp8 entries and over
     full-precision ones: it is the fp8 model's (within float rounding), and the two models differ by more."""
-    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     model = load_model(str(EMBEDDED))
     gaps = {None: [], "fp8_e4m3": []}
@@ -93,7 +90,7 @@ def test_first_token_logprobs_are_the_fp8_models(servers):
 
 @pytest.mark.parametrize("shape", ["tree", "adaptive"])
 def test_batched_greedy_equals_non_speculative_fp8(batched, shape):
-    for i, (a, b) in enumerate(zip(batched["plain"], batched[shape])):
+    for i, (a, b) in enumerate(zip(batched["plain"], batched[shape], strict=False)):
         assert len(a["output_ids"]) == NEW_TOKENS
         assert a["output_ids"] == b["output_ids"], f"request {i}"
     checks.assert_speculation_exercised(batched[shape])
@@ -114,7 +111,7 @@ def test_published_layout_tree_equals_non_speculative_fp8(servers):
     tree = checks.run_all(servers["published-tree"], [{"input_ids": p} for p in ids], GREEDY)
     assert [o["output_ids"] for o in tree] == [o["output_ids"] for o in plain]
     checks.assert_speculation_exercised(tree)
-    for p, want in zip(ids, plain):  # one by one
+    for p, want in zip(ids, plain, strict=False):  # one by one
         got = servers["published-tree"].generate({"input_ids": p, "sampling_params": GREEDY})
         assert got["output_ids"] == want["output_ids"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+
 from sglang_tree_v4.speculative.grammar_paths import GrammarPaths
 from sglang_tree_v4.tree import DraftTree, build_draft_tree
 from sglang_tree_v4.tree.path_logits import tree_paths
@@ -157,8 +157,8 @@ def test_drafts_only_allowed_tokens():
     drafter = PathHashDrafter(VOCAB, seed=3)
     roots = torch.tensor([2])
     for hook in (rules.draft_hook, None):
-        tree = build_draft_tree(roots, torch.tensor([5]), drafter, 3, 3, 10, root_parent_hidden=drafter.root_hidden(roots),
-                                logits_hook=hook)
+        tree = build_draft_tree(roots, torch.tensor([5]), drafter, 3, 3, 10,
+                                root_parent_hidden=drafter.root_hidden(roots), logits_hook=hook)
         node_path = tree.path_nodes(tree.width - 1)
         bad = 0
         for i in range(1, int(tree.num_nodes[0])):

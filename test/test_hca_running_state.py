@@ -11,12 +11,18 @@ pooled on its own and merged), must each break the exact check.
 """
 import pytest
 import torch
-from sgl_kernel_ext.reference import compress_entries_ref
 
+from sgl_kernel_ext.reference import compress_entries_ref
 from sglang_tree_v4.dsv4 import hca_compressor
 from sglang_tree_v4.dsv4.hca_compressor import HcaCompressor
 from sglang_tree_v4.dsv4.rope import Rope
-from sglang_tree_v4.dsv4.storage import ForwardBatch, LayerLayout, SlotStore, SlotTable, StepCaps
+from sglang_tree_v4.dsv4.storage import (
+    ForwardBatch,
+    LayerLayout,
+    SlotStore,
+    SlotTable,
+    StepCaps,
+)
 
 torch.set_num_threads(1)
 D, R, T, SLOTS = 16, 8, 27, 64  # channels, block, sequence length

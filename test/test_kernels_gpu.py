@@ -12,11 +12,15 @@ import torch
 
 from sgl_kernel_ext import ops
 from sgl_kernel_ext.cases import attention_case, compress_case, rel_err, window_case
-from sgl_kernel_ext.reference import compress_entries_ref, tree_sparse_attention_ref, tree_window_attention_ref
-
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a CUDA device"
+from sgl_kernel_ext.reference import (
+    compress_entries_ref,
+    tree_sparse_attention_ref,
+    tree_window_attention_ref,
 )
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a CUDA device"
+)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 

@@ -40,7 +40,11 @@ if not INTERPRETED:
 else:
     from sgl_kernel_ext import ops
     from sgl_kernel_ext.cases import attention_case, compress_case, rel_err, window_case
-    from sgl_kernel_ext.reference import compress_entries_ref, tree_sparse_attention_ref, tree_window_attention_ref
+    from sgl_kernel_ext.reference import (
+        compress_entries_ref,
+        tree_sparse_attention_ref,
+        tree_window_attention_ref,
+    )
 
     @pytest.fixture
     def seed() -> int:

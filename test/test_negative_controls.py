@@ -13,20 +13,27 @@ still passed here could not see the bug it is named after.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_tree_v4.testing import prompts
-from sglang_tree_v4.testing.runner import DSV4Runner
 from sglang_tree_v4.checkpoint.weights import load_model
+from sglang_tree_v4.testing import prompts
 from sglang_tree_v4.testing.offline import plain_greedy
+from sglang_tree_v4.testing.runner import DSV4Runner
 from support import serving_checks as checks
-from test_tree_v4_serving import COMMON, EMBEDDED, NEW_TOKENS, SAMPLED_TOKENS, SAMPLES_PER_CASE, TREE
-from test_window_retention import EARLIEST_EVICTION, RING_PAGES
+from support.served import (
+    COMMON,
+    EARLIEST_EVICTION,
+    EMBEDDED,
+    RING_PAGES,
+    SAMPLED_TOKENS,
+    SAMPLES_PER_CASE,
+    TREE,
+)
 
 pytestmark = pytest.mark.server
+NEW_TOKENS = 64  # the acceptance check of test_tree_v4_serving
 MUTATIONS = ("wrong_token", "leak_aborted", "biased_accept", "short_window", "ring_stored_only", "stream_off_by_one")
 ENV = {"short_window": EARLIEST_EVICTION}
 ARGS = {"ring_stored_only": RING_PAGES}
@@ -56,7 +63,8 @@ def test_wrong_token_fails_greedy_identity(mutated, target_model):
         outs = list(pool.map(lambda p: server.generate({"input_ids": p, "sampling_params": sampling}), ids))
     checks.assert_speculation_exercised(outs)
     runner = DSV4Runner(target_model, num_slots=2048, max_len=512, max_reqs=2)
-    differing = [i for i, (p, o) in enumerate(zip(ids, outs)) if o["output_ids"] != plain_greedy(runner, p, 24)]
+    differing = [i for i, (p, o) in enumerate(zip(ids, outs, strict=True))
+                 if o["output_ids"] != plain_greedy(runner, p, 24)]
     assert differing, "the greedy identity check did not see the wrong token"
 
 

@@ -13,13 +13,18 @@ import types
 
 import pytest
 import torch
-
 from sglang.srt.sampling import penaltylib
 from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams
+
 from sglang_tree_v4.tree import DraftTree
-from sglang_tree_v4.tree.path_logits import PenaltyState, process_path_logits, scale_in_place, tree_paths
+from sglang_tree_v4.tree.path_logits import (
+    PenaltyState,
+    process_path_logits,
+    scale_in_place,
+    tree_paths,
+)
 
 VOCAB = 12
 EOS = 11
@@ -94,7 +99,7 @@ def _batch(seed: int, width: int = 7):
     trees = [random_tree(gen, width) for _ in CASES]
     outputs = [torch.randint(0, VOCAB, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
                for _ in CASES]
-    for out, tree in zip(outputs, trees):
+    for out, tree in zip(outputs, trees, strict=False):
         tree.tokens[0, 0] = out[-1]  # the root is the last committed token
     raw = torch.randn(len(CASES), width, VOCAB, generator=gen) * 3
     bias = torch.zeros(len(CASES), VOCAB)

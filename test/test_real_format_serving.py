@@ -10,9 +10,7 @@ import concurrent.futures as cf
 
 import pytest
 
-from sglang_tree_v4.testing import launcher
-
-from sglang_tree_v4.testing import prompts
+from sglang_tree_v4.testing import launcher, prompts
 from support import real_format as rf
 from support.serving_checks import assert_speculation_exercised
 
@@ -65,7 +63,7 @@ def _greedy(server, ids):
 def test_published_layout_matches_hf(servers, checkpoints, prompt_ids, name):
     hf = rf.hf_reference(checkpoints["published"])
     outs = _greedy(servers[name], prompt_ids)
-    for ids, out in zip(prompt_ids, outs):
+    for ids, out in zip(prompt_ids, outs, strict=False):
         want, gaps = rf.hf_greedy(hf, ids, NEW)
         rf.assert_matches_hf(out["output_ids"], want, gaps)
     if "tree" in name:
@@ -132,6 +130,6 @@ def test_save_pretrained_checkpoint_matches_hf(servers, checkpoints, prompt_ids)
     from support.hf_reference import build_hf
     hf = build_hf(8, seed=0, vocab=3072)  # the very model save_pretrained wrote (same seed)
     outs = _greedy(servers["save_pretrained"], prompt_ids)
-    for ids, out in zip(prompt_ids, outs):
+    for ids, out in zip(prompt_ids, outs, strict=False):
         want, gaps = rf.hf_greedy(hf, ids, NEW)
         rf.assert_matches_hf(out["output_ids"], want, gaps)

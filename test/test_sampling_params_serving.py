@@ -16,25 +16,23 @@ import collections
 import concurrent.futures as cf
 import json
 import random
-from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_tree_v4.testing import launcher as srv
 from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
+from sglang_tree_v4.testing import launcher as srv
+from support import grammar_cases, served
 from support import serving_checks as checks
-from support import grammar_cases
 from support.grammar_cases import SCHEMA, check_valid
+from support.served import SAMPLED_TOKENS, SAMPLES_PER_CASE
 
 pytestmark = pytest.mark.server
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
-COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7", "--sleep-on-idle"]
-TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "6", "--speculative-eagle-topk", "3",
-        "--speculative-num-steps", "3", "--enable-custom-logit-processor"]
-CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "6", "--speculative-eagle-topk", "1",
-         "--speculative-num-steps", "5"]
+COMMON = served.COMMON + served.SLEEP
+TREE = served.TREE + ["--enable-custom-logit-processor"]
+CHAIN = served.CHAIN
+EMBEDDED = served.EMBEDDED
 NEW_TOKENS = 48
 
 
@@ -95,7 +93,7 @@ def mixed_outputs(servers, prompts_and_features):
 @pytest.mark.parametrize("shape", ["tree", "chain"])
 def test_mixed_batch_equals_plain(mixed_outputs, shape):
     names, outs = mixed_outputs
-    for i, (name, a, b) in enumerate(zip(names, outs["plain"], outs[shape])):
+    for i, (name, a, b) in enumerate(zip(names, outs["plain"], outs[shape], strict=False)):
         assert a["output_ids"] == b["output_ids"], (name, i)
         assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"], (name, i)
 
@@ -104,7 +102,7 @@ def test_mixed_batch_equals_plain(mixed_outputs, shape):
 def test_drafts_accepted_under_each_feature(mixed_outputs, shape):
     names, outs = mixed_outputs
     for feature in dict.fromkeys(names):
-        group = [o for n, o in zip(names, outs[shape]) if n == feature]
+        group = [o for n, o in zip(names, outs[shape], strict=False) if n == feature]
         # Each verify round emits its accepted drafts plus one; the prefill emits the first token.
         tokens = sum(len(o["output_ids"]) - 1 for o in group)
         rounds = sum(o["meta_info"].get("spec_verify_ct", 0) for o in group)
@@ -115,7 +113,7 @@ def test_drafts_accepted_under_each_feature(mixed_outputs, shape):
 def test_grammar_outputs_valid(mixed_outputs):
     names, outs = mixed_outputs
     finished = collections.Counter()
-    for name, out in zip(names, outs["tree"]):
+    for name, out in zip(names, outs["tree"], strict=False):
         if name in ("regex", "json_schema", "ebnf"):
             check_valid(name, out)
             finished[name] += out["meta_info"]["finish_reason"]["type"] != "length"
@@ -159,13 +157,16 @@ def test_openai_response_format(servers):
 
 def test_refused_fields_get_400_naming_them(servers):
     tree = servers["tree"]
-    from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+    from sglang.srt.sampling.custom_logit_processor import (
+        DisallowedTokensLogitsProcessor,
+    )
 
     processor = DisallowedTokensLogitsProcessor().to_str()
     r = tree.post("/generate", {"text": "Hello", "custom_logit_processor": processor,
                                 "sampling_params": {"max_new_tokens": 4, "custom_params": {"token_ids": [5]}}})
     assert r.status_code == 400 and "custom_logit_processor" in r.text, r.text
-    r = tree.post("/generate", {"text": "Hello", "return_sampling_mask": True, "sampling_params": {"max_new_tokens": 4}})
+    r = tree.post("/generate", {"text": "Hello", "return_sampling_mask": True,
+                                "sampling_params": {"max_new_tokens": 4}})
     assert r.status_code == 400 and "return_sampling_mask" in r.text, r.text
     assert tree.generate({"text": "Hello", "sampling_params": {"max_new_tokens": 4}})["output_ids"]
 
@@ -206,7 +207,7 @@ def test_fuzz_random_combinations(servers, prompts_and_features):
 
     plain, tree = run(servers["plain"]), run(servers["tree"])
     ok = 0
-    for p, a, b in zip(payloads, plain, tree):
+    for p, a, b in zip(payloads, plain, tree, strict=False):
         assert a.status_code == b.status_code, (p, a.text, b.text)
         # SGLang itself answers some grammar requests with a 500 (plain decoding too); TREE_V4 adds none.
         assert b.status_code < 500 or a.status_code == b.status_code, (p, b.text)
@@ -216,8 +217,6 @@ def test_fuzz_random_combinations(servers, prompts_and_features):
     assert ok >= 60, ok
 
 
-SAMPLED_TOKENS = 10
-SAMPLES_PER_CASE = 500
 PENALTY_SETTINGS = ({"temperature": 1.0, "repetition_penalty": 1.3},
                     {"temperature": 1.0, "frequency_penalty": 0.8})
 

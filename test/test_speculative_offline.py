@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_tree_v4.testing.runner import DSV4Runner
 from sglang_tree_v4.checkpoint.weights import load_model
 from sglang_tree_v4.testing.offline import plain_greedy, speculative_greedy
+from sglang_tree_v4.testing.runner import DSV4Runner
 from support.serving_checks import chat_prompt_ids
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"

@@ -34,8 +34,9 @@ def test_every_mechanism_and_size():
 
 def test_runner_greedy_matches_full_forward():
     from transformers import AutoTokenizer
-    from sglang_tree_v4.testing.runner import DSV4Runner
+
     from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
     model = load_model(str(MODEL))
     assert len(model.mtp) == 1
     tok = AutoTokenizer.from_pretrained(MODEL)

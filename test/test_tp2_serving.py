@@ -11,10 +11,9 @@ import re
 import pytest
 
 from sglang_tree_v4.testing import launcher as srv
-
 from sglang_tree_v4.testing import prompts
+from support.served import EMBEDDED, reference_greedy
 from support.serving_checks import assert_speculation_exercised
-from test_engine_offline import EMBEDDED, reference_greedy
 
 pytestmark = pytest.mark.server
 

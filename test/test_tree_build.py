@@ -15,7 +15,8 @@ VOCAB = 61
 def call_one(drafter, token: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter on a single node (batch 1, n 1); PathHashDrafter only looks at tokens and parent_hidden."""
     one = torch.zeros(1, 1, dtype=torch.long)
-    step = DraftStep(0, torch.tensor([[token]]), one, one, one - 1, torch.ones(1, 1, 1, dtype=torch.bool), hidden[None, None])
+    step = DraftStep(0, torch.tensor([[token]]), one, one, one - 1, torch.ones(1, 1, 1, dtype=torch.bool),
+                     hidden[None, None])
     logits, out = drafter(step)
     return logits[0, 0], out[0, 0]
 
@@ -26,7 +27,7 @@ def reference_pool(drafter, root: int, steps: int, topk: int, temperature: float
     root_hidden = drafter.root_hidden(torch.tensor([root]))[0]
     pool = [dict(path=(root,), parent=-1, logprob=0.0, score=0.0)]
     frontier = [(0, root_hidden)]  # (pool index, parent_hidden to feed)
-    for step in range(steps):
+    for _step in range(steps):
         layer = []
         for pool_idx, parent_hidden in frontier:
             logits, hidden = call_one(drafter, pool[pool_idx]["path"][-1], parent_hidden)
@@ -223,8 +224,9 @@ def test_drafter_sees_consistent_slots_ancestors_positions_and_hidden():
     tree = build_draft_tree(roots, torch.tensor([0, 10, 20]), recorder, 4, 3, 10, inner.root_hidden(roots))
     assert recorder.steps == 4 and len(recorder.hidden) == 3 * (1 + 3 * 3)
     # Handing over the root's draft output skips step 0 and changes nothing else.
-    root_logits, root_hidden = inner(DraftStep(0, roots[:, None], torch.tensor([[0], [10], [20]]),
-                                               torch.zeros(3, 1, dtype=torch.long), torch.full((3, 1), -1),
-                                               torch.ones(3, 1, 1, dtype=torch.bool), inner.root_hidden(roots)[:, None]))
+    root_step = DraftStep(0, roots[:, None], torch.tensor([[0], [10], [20]]), torch.zeros(3, 1, dtype=torch.long),
+                          torch.full((3, 1), -1), torch.ones(3, 1, 1, dtype=torch.bool),
+                          inner.root_hidden(roots)[:, None])
+    root_logits, root_hidden = inner(root_step)
     again = build_draft_tree(roots, torch.tensor([0, 10, 20]), inner, 4, 3, 10, root_draft=(root_logits, root_hidden))
     assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)

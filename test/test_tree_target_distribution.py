@@ -1,7 +1,8 @@
 """The processed target distribution against a per-row reference of SGLang's sampler semantics.
 
 Reference semantics (SGLang 0.5.23 ``Sampler``, torch backend): softmax(logits / T); sort descending (ties: lower
-token id first); keep rank r iff r < top_k and the mass before r is <= top_p (top_p = 1 keeps all: no float cumsum artefacts); drop p < min_p * max p; renormalise.
+token id first); keep rank r iff r < top_k and the mass before r is <= top_p (top_p = 1 keeps all: no float cumsum
+artefacts); drop p < min_p * max p; renormalise.
 Greedy (T = 0 or top_k = 1): one-hot at the first argmax.
 """
 
@@ -11,32 +12,12 @@ import pytest
 import torch
 
 from sglang_tree_v4.tree import SamplingParams, target_probs
-
-
-def reference_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    vocab = logits.shape[0]
-    out = torch.zeros(vocab, dtype=torch.float64)
-    if temperature <= 1e-6 or top_k == 1:
-        out[int(logits.argmax())] = 1.0
-        return out
-    probs = torch.softmax(logits.float() / temperature, dim=-1).tolist()
-    order = sorted(range(vocab), key=lambda v: (-probs[v], v))
-    limit = vocab if top_k <= 0 else top_k
-    mass_before, kept = 0.0, []
-    for rank, v in enumerate(order):
-        if rank < limit and (top_p >= 1.0 or mass_before <= top_p):
-            kept.append(v)
-        mass_before += probs[v]
-    biggest = max(probs)
-    kept = [v for v in kept if probs[v] >= min_p * biggest]
-    for v in kept:
-        out[v] = probs[v]
-    return out / out.sum()
+from support.oracles import reference_row
 
 
 def run_grid(logits: torch.Tensor, grid: list[tuple], caps: tuple[int, ...]) -> None:
     rows = len(grid)
-    temps, ks, ps, mins = zip(*grid)
+    temps, ks, ps, mins = zip(*grid, strict=False)
     params = SamplingParams(
         torch.tensor(temps), torch.tensor(ks, dtype=torch.long), torch.tensor(ps), torch.tensor(mins)
     )

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tree_v4.speculative.server_args import (DEFAULT_DRAFT_TOKENS, TreeBudget, draft_score_temperature,
-                                             max_tree_nodes, validate_budget, validate_model)
+from sglang_tree_v4.speculative.server_args import (
+    DEFAULT_DRAFT_TOKENS,
+    TreeBudget,
+    draft_score_temperature,
+    max_tree_nodes,
+    validate_budget,
+    validate_model,
+)
 from sglang_tree_v4.testing import launcher as srv
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"

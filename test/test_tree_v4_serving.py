@@ -6,7 +6,8 @@ matched chain (K = 1, S = D - 1), the default TREE_V4 (no shape flags: the adapt
 the adaptive budget forced to cycle through every shape of its menu, "no speculation" included (``cycle_shapes`` in
 ``support/mutations``), so that every switch between shapes is exercised. The tree and the cycling server keep
 SGLang's overlap scheduling, as on a GPU (``SGLANG_TREE_V4_OVERLAP=1``: a round starts before the previous one's
-result is processed); the others run the CPU's synchronous schedule. Prompts come from GSM8K test, MBPP test and ShareGPT, including prompts longer
+result is processed); the others run the CPU's synchronous schedule. Prompts come from GSM8K test, MBPP test and
+ShareGPT, including prompts longer
 than 300 tokens so that HCA boundaries fall inside draft trees.
 """
 
@@ -18,25 +19,25 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_tree_v4.testing import launcher as srv
-
-from sglang_tree_v4.testing import prompts
 from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.speculative.adaptive.measure import verify_widths
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
-from sglang_tree_v4.speculative.step_timer import verify_widths
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.testing import prompts
 from support import serving_checks as checks
+from support.served import (
+    CHAIN,
+    COMMON,
+    EMBEDDED,
+    SAMPLED_TOKENS,
+    SAMPLES_PER_CASE,
+    TREE,
+)
 
 pytestmark = pytest.mark.server
 NEW_TOKENS = 64
-BUDGET = ["--speculative-num-draft-tokens", "6"]
-TREE = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "3",
-        "--speculative-num-steps", "3"]
-CHAIN = ["--speculative-algorithm", "TREE_V4", *BUDGET, "--speculative-eagle-topk", "1",
-         "--speculative-num-steps", "5"]
 ADAPTIVE = ["--speculative-algorithm", "TREE_V4"]
 SPECULATIVE = ("tree", "chain", "adaptive", "cycling")
-COMMON = ["--device", "cpu", "--max-total-tokens", "32768", "--random-seed", "7"]  # seeded sampling
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def greedy_outputs(servers):
 @pytest.mark.parametrize("shape", SPECULATIVE)
 def test_greedy_equals_non_speculative(greedy_outputs, shape):
     plain, spec = greedy_outputs["plain"], greedy_outputs[shape]
-    for i, (a, b) in enumerate(zip(plain, spec)):
+    for i, (a, b) in enumerate(zip(plain, spec, strict=False)):
         assert len(a["output_ids"]) == NEW_TOKENS
         assert a["output_ids"] == b["output_ids"], f"request {i}"
     checks.assert_speculation_exercised(spec)
@@ -131,7 +132,7 @@ def _shape_steps(server) -> tuple[dict[str, int], bool]:
 def test_shape_counters_in_server_info(servers, greedy_outputs):
     """Steps per tree shape in ``/get_server_info``: a pinned server runs its one shape; the adaptive default
     reports its choices; the cycling server has run every shape of the menu, "no speculation" included."""
-    from sglang_tree_v4.speculative.adaptive_budget import shape_menu
+    from sglang_tree_v4.speculative.adaptive.policy import shape_menu
     pinned, adaptive = _shape_steps(servers["tree"])
     assert set(pinned) == {"D6_K3_S3"} and not adaptive
     steps, adaptive = _shape_steps(servers["adaptive"])
@@ -159,7 +160,7 @@ def test_step_times_measured_once_then_read_from_the_cache(servers):
     assert Path(measured[0][1]).is_file()
     verify = json.loads(Path(measured[0][1]).read_text())["times"]["verify"]  # per D, over the batch size
     assert sorted(int(d) for d in verify) == verify_widths(8) and all(len(c) >= 2 for c in verify.values()), verify
-    for b in verify["1"]:  # at every batch size, more verified tokens never cost less (``step_timer.monotone``)
+    for b in verify["1"]:  # at every batch size, more verified tokens never cost less (``measure.monotone``)
         by_width = [verify[str(d)][b] for d in verify_widths(8)]
         assert by_width == sorted(by_width), (b, by_width)
     read = re.findall(r"TREE_V4 adaptive budget: step times read in [0-9.]+ s \((.*)\)",
@@ -209,7 +210,7 @@ def test_logprobs_returned(servers):
     want = servers["plain"].generate(payload)["meta_info"]["output_token_logprobs"]
     got = servers["tree"].generate(payload)["meta_info"]["output_token_logprobs"]
     assert [t[1] for t in got] == [t[1] for t in want]
-    assert max(abs(a[0] - b[0]) for a, b in zip(got, want)) < 1e-3
+    assert max(abs(a[0] - b[0]) for a, b in zip(got, want, strict=False)) < 1e-3
 
 
 def page_size(server) -> int:
@@ -248,19 +249,9 @@ def test_radix_hits_give_the_tokens_of_a_cold_run(servers):
     checks.assert_radix_hits_match_cold_runs(servers["plain"], servers["tree"])
 
 
-SAMPLES_PER_CASE = 500
-SAMPLED_TOKENS = 10
-
-
 @pytest.fixture(scope="module")
 def sampling_cases():
     return checks.sampling_cases(EMBEDDED)
-
-
-@pytest.fixture(scope="module")
-def target_model():
-    from sglang_tree_v4.checkpoint.weights import load_model
-    return load_model(str(EMBEDDED))
 
 
 @pytest.mark.parametrize("name", ["plain", "tree", "chain", "cycling"])

@@ -5,22 +5,9 @@ import torch
 
 from sglang_tree_v4.tree import DraftTree, verify_greedy
 from sglang_tree_v4.tree.synthetic import distinct_tokens, random_parents
+from support.oracles import target_logits_favouring_tree
 
 VOCAB = 97
-
-
-def target_logits_favouring_tree(tree: DraftTree, gen: torch.Generator, hit_rate: float) -> torch.Tensor:
-    """Random logits, except that at each node (with probability ``hit_rate``) a random child's token is the argmax."""
-    batch, width = tree.tokens.shape
-    logits = torch.randn(batch, width, VOCAB, generator=gen)
-    for b in range(batch):
-        n = int(tree.num_nodes[b])
-        for i in range(n):
-            kids = [j for j in range(n) if tree.parents[b, j] == i]
-            if kids and torch.rand(1, generator=gen).item() < hit_rate:
-                pick = kids[int(torch.randint(len(kids), (1,), generator=gen))]
-                logits[b, i, tree.tokens[b, pick]] = 10.0
-    return logits
 
 
 def greedy_walk(tree: DraftTree, logits: torch.Tensor, b: int) -> tuple[list[int], list[int]]:

@@ -14,9 +14,15 @@ from collections import defaultdict
 import pytest
 import torch
 
-from sglang_tree_v4.tree import DraftTree, SamplingParams, VerifyCoins, verify_greedy, verify_sampling
+from sglang_tree_v4.tree import (
+    DraftTree,
+    SamplingParams,
+    VerifyCoins,
+    verify_greedy,
+    verify_sampling,
+)
 from sglang_tree_v4.tree.synthetic import distinct_tokens, random_parents
-from test_tree_target_distribution import reference_row
+from support.oracles import reference_row
 
 END = -1  # second "token" when the step emitted only one
 
@@ -75,7 +81,8 @@ def exact_check(tree: DraftTree, logits: torch.Tensor, params: list[tuple]) -> N
             node, target = 0, 1.0
             for t in sequence:
                 target *= probs[node][t].item()
-                kids = [j for j in range(int(tree.num_nodes[b])) if tree.parents[b, j] == node and tree.tokens[b, j] == t]
+                kids = [j for j in range(int(tree.num_nodes[b]))
+                        if tree.parents[b, j] == node and tree.tokens[b, j] == t]
                 node = kids[0] if kids else None
             assert weight == pytest.approx(target, abs=1e-9), f"sequence {sequence}"
         all_outcomes += outcomes
@@ -88,7 +95,8 @@ def exact_check(tree: DraftTree, logits: torch.Tensor, params: list[tuple]) -> N
         for node, coin in o["coins"].items():
             accept[r, node] = coin
     bonus = torch.tensor([o["bonus"] for o in all_outcomes], dtype=torch.float64)
-    batch_tree = DraftTree(*(getattr(tree, f)[index] for f in ("tokens", "parents", "depths", "logprobs", "scores", "num_nodes")))
+    fields = ("tokens", "parents", "depths", "logprobs", "scores", "num_nodes")
+    batch_tree = DraftTree(*(getattr(tree, f)[index] for f in fields))
     sampling = SamplingParams(*(torch.tensor([params[b][i] for b in row_of]) for i in range(4)))
     result = verify_sampling(batch_tree, logits[index], sampling, coins=VerifyCoins(accept, bonus))
     for r, o in enumerate(all_outcomes):
@@ -217,7 +225,7 @@ def test_sampled_distribution_of_first_two_tokens():
         rows = slice(c * per_config, (c + 1) * per_config)
         t1, t2 = result.tokens[rows, 0].tolist(), second[rows].tolist()
         counts1, counts2 = defaultdict(int), defaultdict(int)
-        for a, b in zip(t1, t2):
+        for a, b in zip(t1, t2, strict=False):
             counts1[a] += 1
             counts2[(a, b)] += 1
         for counts, expected in ((counts1, first), (counts2, pairs)):
@@ -232,7 +240,8 @@ def test_sampled_distribution_of_first_two_tokens():
 def test_greedy_rows_follow_greedy_verification_in_a_mixed_batch():
     gen = torch.Generator().manual_seed(11)
     batch, width, vocab = 8, 12, 40
-    tree = DraftTree.from_parents(distinct_tokens(batch, width, vocab, gen), random_parents(batch, width, "random", gen))
+    tree = DraftTree.from_parents(distinct_tokens(batch, width, vocab, gen),
+                                  random_parents(batch, width, "random", gen))
     logits = torch.randn(batch, width, vocab, generator=gen)
     for i in range(1, width):  # favour the drafted tokens so greedy accepts deep
         logits[torch.arange(batch), tree.parents[:, i], tree.tokens[:, i]] += 2.0
@@ -251,7 +260,8 @@ def test_greedy_rows_follow_greedy_verification_in_a_mixed_batch():
 def test_same_seed_same_result_and_rows_independent_of_batch():
     gen = torch.Generator().manual_seed(5)
     batch, width, vocab = 6, 10, 50
-    tree = DraftTree.from_parents(distinct_tokens(batch, width, vocab, gen), random_parents(batch, width, "kary", gen, 3))
+    tree = DraftTree.from_parents(distinct_tokens(batch, width, vocab, gen),
+                                  random_parents(batch, width, "kary", gen, 3))
     logits = torch.randn(batch, width, vocab, generator=gen)
     params = SamplingParams.uniform(batch, temperature=0.9, top_k=20)
     a = verify_sampling(tree, logits, params, generator=torch.Generator().manual_seed(1))
@@ -260,7 +270,8 @@ def test_same_seed_same_result_and_rows_independent_of_batch():
     coins = VerifyCoins.draw(batch, width, torch.Generator().manual_seed(2))
     whole = verify_sampling(tree, logits, params, coins=coins)
     for r in range(batch):
-        sub = DraftTree(*(getattr(tree, f)[r : r + 1] for f in ("tokens", "parents", "depths", "logprobs", "scores", "num_nodes")))
+        fields = ("tokens", "parents", "depths", "logprobs", "scores", "num_nodes")
+        sub = DraftTree(*(getattr(tree, f)[r : r + 1] for f in fields))
         one = verify_sampling(sub, logits[r : r + 1], params.select(torch.tensor([r])),
                               coins=VerifyCoins(coins.accept[r : r + 1], coins.bonus[r : r + 1]))
         assert torch.equal(one.tokens[0], whole.tokens[r])

@@ -2,7 +2,8 @@
 
 The step (``dsv4.verify_step``: target forward over trees that cross CSA and HCA block boundaries, greedy and
 stochastic acceptance, accepted-path state writes; and the server's verify forward over its pool layout -- entries
-a row per block, draft-tree scratch, also with the entries as fp8 bytes -- with the accepted entries' commit), one MTP draft step and a whole EAGLE-2 draft after the root's
+a row per block, draft-tree scratch, also with the entries as fp8 bytes -- with the accepted entries' commit), one
+MTP draft step and a whole EAGLE-2 draft after the root's
 (``build_draft_tree``: further MTP steps and the rerank) run with every tensor on the ``meta``
 device -- weights, pools, request tables, trees, coins. Meta tensors refuse ``item``, ``tolist``, ``bool``,
 ``nonzero``, ``unique`` and boolean-mask indexing, so a step that completes there reads nothing back to the host and
@@ -20,20 +21,37 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_tree_v4.checkpoint.swap import build_model
+from sglang_tree_v4.checkpoint.weights import load_model
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.mtp import new_mtp_store, new_streams_store
-from sglang_tree_v4.checkpoint.swap import build_model
-from sglang_tree_v4.testing.runner import DSV4Runner
-from sglang_tree_v4.serving.sglang_model import commit_accepted_entries, verify_table
-from sglang_tree_v4.serving.sglang_pool import entry_ratios
-from sglang_tree_v4.dsv4.storage import (ForwardBatch, SlotStore, SlotTable, StepCaps, model_token_layouts,
-                                         paged_layouts)
+from sglang_tree_v4.dsv4.storage import (
+    ForwardBatch,
+    SlotStore,
+    SlotTable,
+    StepCaps,
+    model_token_layouts,
+    paged_layouts,
+)
 from sglang_tree_v4.dsv4.tree_state import TreeVerifier
 from sglang_tree_v4.dsv4.verify_step import verify_step
-from sglang_tree_v4.checkpoint.weights import load_model
-from sglang_tree_v4.speculative.mtp_drafter import MTPTreeDrafter, catch_up, catch_up_fixed
-from sglang_tree_v4.tree import (DraftStep, DraftTree, SamplingParams, VerifyCoins, build_draft_tree, verify_greedy,
-                                 verify_sampling)
+from sglang_tree_v4.serving.sglang_model import commit_accepted_entries, verify_table
+from sglang_tree_v4.serving.sglang_pool import entry_ratios
+from sglang_tree_v4.speculative.mtp_drafter import (
+    MTPTreeDrafter,
+    catch_up,
+    catch_up_fixed,
+)
+from sglang_tree_v4.testing.runner import DSV4Runner
+from sglang_tree_v4.tree import (
+    DraftStep,
+    DraftTree,
+    SamplingParams,
+    VerifyCoins,
+    build_draft_tree,
+    verify_greedy,
+    verify_sampling,
+)
 from sglang_tree_v4.tree.build import top_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +168,7 @@ def test_step_runs_on_meta_embedded_config(bucket):
     assert shapes["tree"] == (B, D)
 
 
+@pytest.mark.slow
 def test_step_runs_on_meta_v4_flash_config():
     """The published V4-Flash config: FP8 block-scaled linears and FP4 experts kept quantized, 1M-token context
     capacity (8,192 HCA entries and 262,144 CSA index keys visible per query), 43 layers + MTP."""
@@ -200,7 +219,7 @@ def make_trees(runner, rids, roots, D: int, num_nodes: list[int], rng: random.Ra
     V = runner.model.cfg.vocab_size
     toks = torch.zeros(len(rids), D, dtype=torch.long)
     par = torch.full((len(rids), D), -1, dtype=torch.long)
-    for b, (rid, n) in enumerate(zip(rids, num_nodes)):
+    for b, (rid, n) in enumerate(zip(rids, num_nodes, strict=False)):
         greedy = greedy_continuation(runner, rid, roots[b], D)
         depth, first_child = [0], {}
         par_b, tok_b = [-1], [roots[b]]
@@ -275,18 +294,19 @@ def test_step_on_cpu_equals_eager(embedded, mode, caps_kind):
         assert torch.equal(getattr(out.verdict, name), getattr(e_verdict, name)), name
     assert int(out.verdict.accept_lens.sum()) > 2 * B  # drafts were accepted, the commit moved rows
     valid = tree.valid_mask()
-    new_lens = [L + int(k) for L, k in zip(lens, out.verdict.accept_lens)]
-    committed = torch.cat([runner.req_table[r, :n] for r, n in zip(rids, new_lens)])
-    assert torch.equal(committed, torch.cat([eager_runner.req_table[r, :n] for r, n in zip(rids, new_lens)]))
+    new_lens = [L + int(k) for L, k in zip(lens, out.verdict.accept_lens, strict=False)]
+    committed = torch.cat([runner.req_table[r, :n] for r, n in zip(rids, new_lens, strict=False)])
+    rows = [eager_runner.req_table[r, :n] for r, n in zip(rids, new_lens, strict=True)]
+    assert torch.equal(committed, torch.cat(rows))
     positions = torch.cat([torch.arange(n) for n in new_lens])
     ours, theirs = meaningful_rows(runner, committed, positions), meaningful_rows(eager_runner, committed, positions)
     if full:
         assert torch.equal(out.logits, e_logits)
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=False):
             assert torch.equal(a, b)
     else:
         torch.testing.assert_close(out.logits[valid], e_logits[valid], rtol=1e-5, atol=1e-5)
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs, strict=False):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -305,8 +325,8 @@ def meaningful_rows(runner, slots, positions):
 def test_sglang_tree_mask_ancestry_matches_tree_paths():
     """The adapter reads each node's ancestry from SGLang's tree mask by a scatter (no ``nonzero``); on random
     padded trees it must give, per node and depth, the slot of the ancestor that ``tree_paths`` names."""
-    from sglang_tree_v4.serving.sglang_model import tree_ancestor_slots
     from sglang_tree_v4.dsv4.tree_state import tree_paths
+    from sglang_tree_v4.serving.sglang_model import tree_ancestor_slots
 
     rng = random.Random(9)
     B, D = 5, 8
@@ -340,19 +360,20 @@ def test_fixed_catch_up_equals_the_eager_one(embedded):
     rids = [runner.add_request() for _ in lens]
     seqs = [[rng.randrange(2, cfg.vocab_size) for _ in range(L + 1)] for L in lens]  # the last one: the bonus
     streams = new_streams_store(cfg, 512)
-    for rid, out, seq in zip(rids, runner.extend(rids, [s[:-1] for s in seqs]), seqs):
+    for rid, out, _seq in zip(rids, runner.extend(rids, [s[:-1] for s in seqs]), seqs, strict=False):
         streams.write(0, "h", runner.slots_of(rid), out.streams.flatten(1))
     table = runner.req_table[torch.tensor(rids)]
     # both stores start with the MTP rows of every position but the last ``behind`` of each request
-    done = [L - k for L, k in zip(lens, behind)]
-    catch_up(embedded, runner.mtp_store, streams, table, [0] * 3, done, [s[1:d + 1] for s, d in zip(seqs, done)])
+    done = [L - k for L, k in zip(lens, behind, strict=False)]
+    catch_up(embedded, runner.mtp_store, streams, table, [0] * 3, done,
+             [s[1:d + 1] for s, d in zip(seqs, done, strict=True)])
     fixed_store = SlotStore(runner.mtp_store.layouts, 512, buffers=[b.clone() for b in runner.mtp_store.buffers])
     eager_root = catch_up(embedded, runner.mtp_store, streams, table, done, lens,
-                          [s[d + 1:L + 1] for s, d, L in zip(seqs, done, lens)])
+                          [s[d + 1:L + 1] for s, d, L in zip(seqs, done, lens, strict=False)])
     fixed_root = catch_up_fixed(embedded, fixed_store, streams, table, torch.tensor(lens),
-                                torch.tensor([s[L - C + 1:L + 1] for s, L in zip(seqs, lens)]))
-    for a, b in zip(eager_root, fixed_root):
+                                torch.tensor([s[L - C + 1:L + 1] for s, L in zip(seqs, lens, strict=False)]))
+    for a, b in zip(eager_root, fixed_root, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     committed = torch.cat([runner.slots_of(r) for r in rids])
-    for a, b in zip(runner.mtp_store.rows(committed), fixed_store.rows(committed)):
+    for a, b in zip(runner.mtp_store.rows(committed), fixed_store.rows(committed), strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-v4"
 
@@ -27,9 +27,9 @@ def prepared(model, prompts, D):
 
 @torch.no_grad()
 def test_captured_step_replays_the_eager_step():
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.dsv4.storage import StepCaps
     from sglang_tree_v4.dsv4.verify_step import verify_step
-    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.tree import DraftTree
 
     with torch.device("cuda"):  # built there: rope tables included, so nothing is copied to the GPU inside the step

@@ -29,10 +29,10 @@ def test_verify_step_with_triton_kernels_equals_reference():
 def _child() -> None:
     import random
 
-    from sglang_tree_v4.testing.runner import DSV4Runner
+    from sglang_tree_v4.checkpoint.weights import load_model
     from sglang_tree_v4.dsv4.storage import StepCaps
     from sglang_tree_v4.dsv4.verify_step import verify_step
-    from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.testing.runner import DSV4Runner
     from sglang_tree_v4.tree import DraftTree, SamplingParams, VerifyCoins
 
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def _child() -> None:
     assert err < 1e-4, f"logits relative error {err}"
     for name in ("accepted_nodes", "tokens", "accept_lens"):
         assert torch.equal(getattr(tri.verdict, name), getattr(ref.verdict, name)), name
-    for a, b in zip(results["triton"][1], results["torch"][1]):
+    for a, b in zip(results["triton"][1], results["torch"][1], strict=False):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     print(f"steps equal: logits relative error {err:.2e}, accept lengths {ref.verdict.accept_lens.tolist()}")
 

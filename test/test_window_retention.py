@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tree_v4.testing import launcher as srv
 from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
+from sglang_tree_v4.testing import launcher as srv
 from support import serving_checks as checks
-from test_tree_v4_serving import COMMON, EMBEDDED, TREE, target_model  # noqa: F401 (a fixture)
+from support.served import COMMON, EARLIEST_EVICTION, EMBEDDED, RING_PAGES, TREE
 
 pytestmark = pytest.mark.server
-EARLIEST_EVICTION = {"SGLANG_SWA_EVICTION_INTERVAL": "1"}
-RING_PAGES = ["--page-size", "64"]  # the tree servers' CSA compressor rows in a ring of 16 per page (plain: 8 of 16)
 SERVERS = {
     "plain": ([], {}),
     "tree": (TREE + RING_PAGES, {}),

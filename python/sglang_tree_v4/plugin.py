@@ -12,9 +12,9 @@ import sys
 
 
 def register() -> None:
+    from . import shutdown
     from .cpu import activate
     from .cpu.driver_stub import StubBuildError
-    from . import shutdown
     from .speculative import algorithm, model_override
 
     try:

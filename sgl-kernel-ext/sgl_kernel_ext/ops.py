@@ -194,7 +194,10 @@ def tree_window_attention(
             q, kv, qo_indptr, kv_indptr, kv_indices, mask, sink, scale, out=out
         )
     if choice == "flashinfer" and q.is_cuda:
-        from .flashinfer_tree import flashinfer_available, tree_window_attention_flashinfer
+        from .flashinfer_tree import (
+            flashinfer_available,
+            tree_window_attention_flashinfer,
+        )
 
         if flashinfer_available():
             try:
@@ -202,6 +205,6 @@ def tree_window_attention(
                     q, kv, qo_indptr, kv_indptr, kv_indices, mask, sink, scale, out=out
                 )
             except Exception as exc:  # noqa: BLE001 - e.g. a head dim FlashInfer was not built for
-                warnings.warn(f"FlashInfer tree mask path failed ({exc!r}); using the Triton tree kernel")
+                warnings.warn(f"FlashInfer tree mask path failed ({exc!r}); using the Triton tree kernel", stacklevel=2)
     idx = tree_mask_to_index_lists(qo_indptr, kv_indptr, kv_indices, mask)
     return tree_sparse_attention(q, kv, idx, None, None, sink, scale, out=out, backend="triton")

@@ -32,7 +32,7 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _attend_range(
-    q, m, l, acc,
+    q, m, lsum, acc,
     kv_ptr, kv_stride_row, kv_stride_col,
     idx_ptr, start, stop,
     offs_d, mask_d, scale,
@@ -57,14 +57,14 @@ def _attend_range(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
             pv = tl.dot(p, k32, input_precision="ieee")
         else:
             pv = tl.dot(p.to(k.dtype), k)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    return m, l, acc
+    return m, lsum, acc
 
 
 @triton.jit
@@ -92,33 +92,33 @@ def _tree_sparse_attention_kernel(
         other=0.0,
     )
     m = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    l = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], dtype=tl.float32)
+    lsum = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # this program's chunk [lo, hi) of the concatenated list a ++ b
     lo = split * split_len
     hi = lo + split_len
-    m, l, acc = _attend_range(
-        q, m, l, acc, kv_a_ptr, kv_a_stride_row, kv_a_stride_col, idx_a_ptr + node * idx_a_stride,
+    m, lsum, acc = _attend_range(
+        q, m, lsum, acc, kv_a_ptr, kv_a_stride_row, kv_a_stride_col, idx_a_ptr + node * idx_a_stride,
         tl.minimum(lo, n_idx_a), tl.minimum(hi, n_idx_a), offs_d, mask_d, scale, BLOCK_T, DOT_FP32,
     )
     if HAS_B:
-        m, l, acc = _attend_range(
-            q, m, l, acc, kv_b_ptr, kv_b_stride_row, kv_b_stride_col, idx_b_ptr + node * idx_b_stride,
+        m, lsum, acc = _attend_range(
+            q, m, lsum, acc, kv_b_ptr, kv_b_stride_row, kv_b_stride_col, idx_b_ptr + node * idx_b_stride,
             tl.maximum(lo - n_idx_a, 0), tl.minimum(tl.maximum(hi - n_idx_a, 0), n_idx_b),
             offs_d, mask_d, scale, BLOCK_T, DOT_FP32,
         )
 
     mask_hd = mask_h[:, None] & mask_d[None, :]
     if SPLIT:
-        # partials laid out [node, split, head] for (m, l) and [node, split, head, d] for acc
+        # partials laid out [node, split, head] for (m, lsum) and [node, split, head, d] for acc
         n_splits = tl.num_programs(2)
         row = (node * n_splits + split) * num_heads + offs_h
         tl.store(part_ml_ptr + 2 * row, m, mask=mask_h)
-        tl.store(part_ml_ptr + 2 * row + 1, l, mask=mask_h)
+        tl.store(part_ml_ptr + 2 * row + 1, lsum, mask=mask_h)
         tl.store(part_acc_ptr + row[:, None] * head_dim + offs_d[None, :], acc, mask=mask_hd)
     else:
-        o = acc / l[:, None]
+        o = acc / lsum[:, None]
         tl.store(
             out_ptr + node * out_stride_n + offs_h[:, None] * out_stride_h + offs_d[None, :] * out_stride_d,
             o.to(out_ptr.dtype.element_ty),

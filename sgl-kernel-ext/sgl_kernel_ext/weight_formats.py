@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 FP8_BLOCK = 128
 FP4_GROUP = 32
 FP8_DTYPE = torch.float8_e4m3fn

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from sglang_tree_v4.checkpoint.weights import load_state
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.checkpoint.weights import load_state
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

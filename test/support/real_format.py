@@ -1,7 +1,8 @@
 """Checkpoints in the formats users bring, written to disk by the tools that write them, and their HF references.
 
 * ``published_checkpoint``: the embedded trained model re-written in DeepSeek's published V4-Flash layout
-  (``checkpoint.weights.save_published``: FP8 block-scaled attention / shared experts / MTP projections, FP4 experts, two
+  (``checkpoint.weights.save_published``: FP8 block-scaled attention / shared experts / MTP projections, FP4 experts,
+  two
   or more shards + index, DeepSeek names incl. ``mtp.0.*``), with the embedded tokenizer. Trained, so the
   quantized MTP still agrees with the quantized target and drafts are accepted.
 * ``save_pretrained_checkpoint``: a random HF ``DeepseekV4ForCausalLM`` written by transformers' own
@@ -17,9 +18,15 @@ from pathlib import Path
 
 import torch
 
+from sglang_tree_v4.checkpoint.weights import (
+    iter_safetensors,
+    load_model,
+    load_state,
+    save_published,
+    to_internal,
+)
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.checkpoint.weights import iter_safetensors, load_model, load_state, save_published, to_internal
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "models" / "tiny-v4"
@@ -88,7 +95,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
 def assert_matches_hf(got: list[int], want: list[int], gaps: list[float], tie: float = 1e-3) -> None:
     """Token-identical, except that a divergence is tolerated where HF's top two are within ``tie`` (a near tie
     that float rounding may flip); nothing after a tolerated divergence is compared."""
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
             assert gaps[i] < tie, f"token {i}: {a} != {b} with a top-2 log-prob gap of {gaps[i]:.3g}"
             return

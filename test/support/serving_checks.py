@@ -21,9 +21,7 @@ from pathlib import Path
 import requests
 import torch
 
-from sglang_tree_v4.testing import launcher
-
-from sglang_tree_v4.testing import prompts
+from sglang_tree_v4.testing import launcher, prompts
 
 MUTATIONS_DIR = Path(__file__).resolve().parent / "mutations"
 
@@ -125,7 +123,7 @@ def window_read_violations(server, model, n_prompts: int = 4, new_tokens: int = 
     longest = max(len(p) for p in ids) + new_tokens
     runner = DSV4Runner(model, num_slots=longest + 16, max_len=longest + 1, max_reqs=1)
     bad = []
-    for i, (prompt, out) in enumerate(zip(ids, outs)):
+    for i, (prompt, out) in enumerate(zip(ids, outs, strict=False)):
         got = out["output_ids"]
         assert len(got) == new_tokens, (i, len(got))
         rid = runner.add_request()
@@ -320,15 +318,15 @@ def acceptance_vs_offline(tokenizer_server, model, model_path, shape_args: list[
     loop (``testing.offline.speculative_greedy``, every stream kept, the MTP over the whole prompt) with the
     server's tree shape (``shape_args``: its flags) and draft score temperature. A served MTP that drafts from
     stale or missing rows (e.g. after a prefill) accepts less than the loop."""
-    from sglang_tree_v4.testing.runner import DSV4Runner
-    from sglang_tree_v4.testing.offline import speculative_greedy
     from sglang_tree_v4.speculative.server_args import checkpoint_score_temperature
+    from sglang_tree_v4.testing.offline import speculative_greedy
+    from sglang_tree_v4.testing.runner import DSV4Runner
 
     D, K, S = (int(shape_args[shape_args.index(flag) + 1]) for flag in (
         "--speculative-num-draft-tokens", "--speculative-eagle-topk", "--speculative-num-steps"))
     runner = DSV4Runner(model, num_slots=2048, max_len=512, max_reqs=2)
     ratios = []
-    for item, out in zip(items, outputs):
+    for item, out in zip(items, outputs, strict=False):
         ids = tokenizer_server.post("/tokenize", {"prompt": item["text"]}).json()["tokens"]
         with torch.no_grad():
             run = speculative_greedy(runner, ids, D, K, S, new_tokens,

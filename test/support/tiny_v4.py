@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
+from sglang_tree_v4.checkpoint.weights import save_checkpoint
 from sglang_tree_v4.dsv4.config import DSV4Config
 from sglang_tree_v4.dsv4.model import DSV4Model
-from sglang_tree_v4.checkpoint.weights import save_checkpoint
-
 from sglang_tree_v4.testing import prompts
+
 from .tiny_llama import train_tokenizer
 
 

@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sgl_kernel_ext.weight_formats import FP4_GROUP, FP8_BLOCK, FP8_DTYPE, dequantize_fp4, fp8_block_matmul
+from sgl_kernel_ext.weight_formats import (
+    FP4_GROUP,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    dequantize_fp4,
+    fp8_block_matmul,
+)
 
 from ..dsv4.moe import Experts
 

@@ -22,11 +22,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from sgl_kernel_ext.weight_formats import FP8_BLOCK
+
 from ..dsv4.config import ConfigError, DSV4Config
 from ..dsv4.moe import Experts
-from sgl_kernel_ext.weight_formats import FP8_BLOCK
-from .quantized_modules import FP4Experts, FP8BlockLinear
 from ..dsv4.rope import ropes_for
+from .quantized_modules import FP4Experts, FP8BlockLinear
 
 FP8_LINEARS = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                          r"|e_proj|h_proj)$")

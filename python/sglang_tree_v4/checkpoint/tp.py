@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
+from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE, fp8_block_matmul
+
 from ..dsv4.attention import Attention
 from ..dsv4.config import ConfigError
 from ..dsv4.moe import MoE
-from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE, fp8_block_matmul
 from .quantized_modules import FP8BlockLinear
 
 

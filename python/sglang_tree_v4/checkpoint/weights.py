@@ -18,8 +18,14 @@ from typing import Mapping
 
 import torch
 
+from sgl_kernel_ext.weight_formats import (
+    FP4_GROUP,
+    dequantize_fp4,
+    e8m0_bytes,
+    e8m0_to_float,
+)
+
 from ..dsv4.config import DSV4Config, read_checkpoint_config
-from sgl_kernel_ext.weight_formats import FP4_GROUP, dequantize_fp4, e8m0_bytes, e8m0_to_float
 
 
 class CheckpointError(ValueError):
@@ -154,7 +160,8 @@ class StreamingLoader:
     this rank holds. Fed safetensors slice handles (``iter_safetensors(..., lazy=True)``), the loader reads from
     disk only that slice, and never reads another rank's experts at all.
 
-    A target that is kept quantized (``quantized_modules.FP8BlockLinear``, ``quantized_modules.FP4Experts``) receives the weight and
+    A target that is kept quantized (``quantized_modules.FP8BlockLinear``, ``quantized_modules.FP4Experts``)
+    receives the weight and
     its scale as stored; a dense target receives the dequantised weight, so a quantized weight waits here only until
     its scale arrives (a weight and its scale live in the same file). ``finish`` names what is missing, left
     unpaired or unexpected. Every check names the checkpoint tensor and what was expected."""
@@ -310,7 +317,7 @@ class StreamingLoader:
 
     def finish(self) -> None:
         problems = []
-        for stem, parts in self.pending.items():
+        for _stem, parts in self.pending.items():
             have = ", ".join(n for n, _ in parts.values())
             problems.append(f"{have}: quantized weight and scale must come in pairs (got only this)")
         missing = self.missing()
@@ -408,8 +415,9 @@ def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 <
     plus ``model.safetensors.index.json``, and a DeepSeek ``config.json`` declaring the quantization."""
     from safetensors.torch import save_file
 
-    from .swap import FP8_LINEARS
     from sgl_kernel_ext.weight_formats import quantize_fp4, quantize_fp8_block
+
+    from .swap import FP8_LINEARS
 
     os.makedirs(path, exist_ok=True)
     groups: list[dict[str, torch.Tensor]] = []

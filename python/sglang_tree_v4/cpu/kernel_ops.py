@@ -25,7 +25,7 @@ def copy_all_layer_kv_cache(data_ptrs: torch.Tensor, strides: torch.Tensor,
         return
     tgt, src = tgt_loc.long(), src_loc.long()
     rows = int(torch.maximum(tgt.max(), src.max())) + 1
-    for ptr, row_bytes in zip(data_ptrs.tolist(), strides.tolist()):
+    for ptr, row_bytes in zip(data_ptrs.tolist(), strides.tolist(), strict=False):
         raw = (ctypes.c_uint8 * (rows * row_bytes)).from_address(ptr)
         buf = torch.frombuffer(raw, dtype=torch.uint8).view(rows, row_bytes)
         buf[tgt] = buf[src].clone()

@@ -53,7 +53,7 @@ def verify_forward_extend(original, self, q, k, v, layer, forward_batch, save_kv
     req_to_token = self.req_to_token_pool.req_to_token
     window = layer.sliding_window_size if (layer.sliding_window_size or -1) > 0 else None
     for b, (row, prefix, tree) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens,
-                                                _tree_masks(spec_info, seq_lens, n))):
+                                                _tree_masks(spec_info, seq_lens, n), strict=False)):
         slots = req_to_token[row, : prefix + n].long()
         keys = k_cache[slots].to(q.dtype).transpose(0, 1)
         values = v_cache[slots].to(q.dtype).transpose(0, 1)

@@ -15,14 +15,15 @@ slice is rotated back by -p (V carried the key rotation), then the grouped low-r
 from __future__ import annotations
 
 import torch
-from sgl_kernel_ext import ops
 from torch import nn
 
-from .compressor import Compressor, Indexer
-from .hca_compressor import HcaCompressor
-from .config import CSA, HCA, SLIDING, DSV4Config
-from .norm import RMSNorm, rms
+from sgl_kernel_ext import ops
 from sgl_kernel_ext.weight_formats import dense_weight
+
+from .compressor import Compressor, Indexer
+from .config import CSA, HCA, SLIDING, DSV4Config
+from .hca_compressor import HcaCompressor
+from .norm import RMSNorm, rms
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore
 

@@ -21,8 +21,9 @@ same numbers a later forward reads back).
 from __future__ import annotations
 
 import torch
-from sgl_kernel_ext import ops
 from torch import nn
+
+from sgl_kernel_ext import ops
 
 from .norm import RMSNorm
 from .rope import Rope
@@ -95,7 +96,7 @@ def _own_or_stored(fb: ForwardBatch, store: SlotStore, layer: int, pieces: tuple
     forward from its own values, any other from the store) and their rows in them (``-1``: none)."""
     hit, query, rows = fb.memo(("own_rows", span), lambda: _own_rows(fb.out_slots, slots))
     gathered = []
-    for piece, values in zip(pieces, own):
+    for piece, values in zip(pieces, own, strict=False):
         stored = store.read(layer, piece, slots)
         gathered.append(torch.where(hit[..., None], values.to(stored.dtype)[query], stored).flatten(0, 1))
     return gathered[0], gathered[1], rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from sgl_kernel_ext.reference import apply_interleaved_rope
 
 from .compressor import CompressorWeights

@@ -19,7 +19,13 @@ from .hyper import HyperHead
 from .mtp import MTPBlock
 from .norm import RMSNorm
 from .rope import Rope, ropes_for
-from .storage import ForwardBatch, SlotStore, SlotTable, model_token_layouts, paged_layouts
+from .storage import (
+    ForwardBatch,
+    SlotStore,
+    SlotTable,
+    model_token_layouts,
+    paged_layouts,
+)
 
 
 class DSV4Model(nn.Module):

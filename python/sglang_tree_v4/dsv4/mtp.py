@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import DSV4Config
 from .block import Block, ModelOutput
+from .config import DSV4Config
 from .hyper import HyperHead
 from .norm import RMSNorm
 from .storage import ForwardBatch, SlotStore, mtp_layouts, streams_layouts

@@ -204,7 +204,7 @@ class SlotStore:
             buffers = [torch.zeros(num_slots + window_scratch_rows, lay.width,
                                    dtype=torch.uint8 if lay.codecs else dtype, device=device) for lay in layouts]
         # the store's own dtype and device: the given buffers' (a coded layer's are bytes)
-        dt = next((b.dtype for b, lay in zip(buffers, layouts) if not lay.codecs), dtype)
+        dt = next((b.dtype for b, lay in zip(buffers, layouts, strict=False) if not lay.codecs), dtype)
         dev = buffers[0].device if buffers else device
         if token_buffers is None:
             token_buffers = [torch.zeros(entry_layer_rows(num_slots, self._ratio_of(entry_ratios, i), scratch_rows),
@@ -217,7 +217,7 @@ class SlotStore:
                             for lay in self.ring_layouts]
         for kind, bufs, lays in (("window", buffers, layouts), ("token", token_buffers, self.token_layouts),
                                  ("ring", ring_buffers, self.ring_layouts)):
-            for i, (b, lay) in enumerate(zip(bufs, lays)):
+            for i, (b, lay) in enumerate(zip(bufs, lays, strict=False)):
                 if b.dim() != 2 or b.shape[1] != lay.width:
                     raise ValueError(f"layer {i}: {kind} buffer shape {tuple(b.shape)} != [rows, {lay.width}]")
         self.buffers = list(buffers)

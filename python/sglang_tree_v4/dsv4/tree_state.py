@@ -160,7 +160,7 @@ def commit(stores: list[SlotStore], req_table: torch.Tensor, rids: torch.Tensor,
 def committed_checksum(stores: list[SlotStore], req_table: torch.Tensor, rids: torch.Tensor,
                        lens: torch.Tensor) -> list[torch.Tensor]:
     """Fingerprint of every committed row of the given requests (mechanism 2's check)."""
-    slots = torch.cat([req_table[int(r), :int(n)] for r, n in zip(rids, lens)])
+    slots = torch.cat([req_table[int(r), :int(n)] for r, n in zip(rids, lens, strict=False)])
     return [c for s in stores for c in s.checksum(slots)]
 
 

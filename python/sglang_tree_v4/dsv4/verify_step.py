@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DraftTree, SamplingParams, VerifyCoins, VerifyResult, verify_greedy, verify_sampling
+from ..tree import (
+    DraftTree,
+    SamplingParams,
+    VerifyCoins,
+    VerifyResult,
+    verify_greedy,
+    verify_sampling,
+)
 from .model import DSV4Model
 from .storage import SlotStore, StepCaps
 from .tree_state import build_verify_batch, commit

@@ -29,9 +29,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def report(path: str, tp: int = 1, dtype: str = "bfloat16", tp_rank: int = 0) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
-    from ..dsv4.config import DSV4Config
     from ..checkpoint.swap import build_model, parameter_bytes
     from ..checkpoint.tp import shard_model
+    from ..dsv4.config import DSV4Config
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(file) as f:

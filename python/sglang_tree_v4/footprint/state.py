@@ -32,10 +32,18 @@ from __future__ import annotations
 import torch
 
 from ..dsv4.config import CSA, HCA, DSV4Config
-from ..serving.sglang_pool import (TOKEN_LABEL, WINDOW_LABEL, entry_ratios, model_state_pool_class, retained_window,
-                               ring_layouts, state_page_size, token_layer_widths)
 from ..dsv4.mtp import draft_scratch_rows
 from ..dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
+from ..serving.sglang_pool import (
+    TOKEN_LABEL,
+    WINDOW_LABEL,
+    entry_ratios,
+    model_state_pool_class,
+    retained_window,
+    ring_layouts,
+    state_page_size,
+    token_layer_widths,
+)
 from ..speculative.model_override import sglang_config
 
 KIND_OF_PIECE = {"k": "window_kv", "ckv": "compressor_rows", "cscore": "compressor_rows",
@@ -95,7 +103,7 @@ def bytes_per_row_by_kind(cfg: DSV4Config, pool_config, dtype: torch.dtype, entr
     for layout in ring_layouts(cfg):  # the pool's ring buffers: compressor rows and states, the MTP's streams
         for piece, (_, w) in layout.pieces.items():
             add("window", KIND_OF_PIECE[piece], w * share, layout.dtype.itemsize if layout.dtype else None)
-    for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg)):
+    for layout, r in zip(model_token_layouts(cfg, entry_format), entry_ratios(cfg), strict=False):
         for piece, (_, w) in layout.pieces.items():  # only compressed layers (ratio > 1) have pieces
             add("token", KIND_OF_PIECE[piece], w / r / (size if piece in layout.codecs else 1))
     for layout in mtp_layouts(cfg):

@@ -26,13 +26,22 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..dsv4.config import DSV4Config
 from ..checkpoint.swap import build_model, parameter_bytes
 from ..checkpoint.tp import shard_model
-from .sglang_pool import entry_ratios, window_layer_widths
-from ..dsv4.storage import (LayerLayout, SlotStore, SlotTable, StepCaps, ForwardBatch as SlotBatch, model_token_layouts,
-                      mtp_layouts, paged_layouts, streams_layouts)
 from ..checkpoint.weights import StreamingLoader, iter_safetensors
+from ..dsv4.config import DSV4Config
+from ..dsv4.storage import ForwardBatch as SlotBatch
+from ..dsv4.storage import (
+    LayerLayout,
+    SlotStore,
+    SlotTable,
+    StepCaps,
+    model_token_layouts,
+    mtp_layouts,
+    paged_layouts,
+    streams_layouts,
+)
+from .sglang_pool import entry_ratios, window_layer_widths
 
 logger = logging.getLogger(__name__)
 

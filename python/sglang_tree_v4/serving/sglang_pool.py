@@ -48,8 +48,15 @@ import torch
 
 from ..dsv4.config import DSV4Config
 from ..dsv4.mtp import draft_scratch_rows
-from ..dsv4.storage import (entry_layer_rows, model_token_layouts, mtp_layouts, paged_layouts, ring_period, ring_rows,
-                      streams_layouts)
+from ..dsv4.storage import (
+    entry_layer_rows,
+    model_token_layouts,
+    mtp_layouts,
+    paged_layouts,
+    ring_period,
+    ring_rows,
+    streams_layouts,
+)
 
 logger = logging.getLogger(__name__)
 V_COLUMNS = 1  # the V buffer SGLang always allocates; nothing is stored in it
@@ -91,7 +98,7 @@ def ring_layer_dtypes(cfg: DSV4Config) -> list[torch.dtype | None]:
 def ring_layer_columns(cfg: DSV4Config, itemsize: int) -> list[float]:
     """``ring_layer_widths`` in columns of a pool whose dtype has ``itemsize`` bytes."""
     return [w * (dt.itemsize / itemsize if dt is not None else 1)
-            for w, dt in zip(ring_layer_widths(cfg), ring_layer_dtypes(cfg))]
+            for w, dt in zip(ring_layer_widths(cfg), ring_layer_dtypes(cfg), strict=False)]
 
 
 def swa_head_dim(cfg: DSV4Config, page: int, draft_tokens: int, itemsize: int,
@@ -117,7 +124,7 @@ def entry_ratios(cfg: DSV4Config) -> list[int]:
 
 def token_layer_ratios(cfg: DSV4Config) -> list[int]:
     """Ratio of each entry layer (the placeholder layer: 1, one row per slot)."""
-    return [r for r, lay in zip(entry_ratios(cfg), model_token_layouts(cfg)) if lay.width] or [1]
+    return [r for r, lay in zip(entry_ratios(cfg), model_token_layouts(cfg), strict=False) if lay.width] or [1]
 
 
 def state_page_size(cfg: DSV4Config) -> int:
@@ -141,7 +148,7 @@ def token_columns_per_slot(cfg: DSV4Config, entry_format: str | None = None, ite
     """Entry columns per token slot of each entry layer (width / ratio); with an ``entry_format`` its bytes in
     columns of a pool dtype of ``itemsize`` bytes (what SGLang sizes the pool in)."""
     size = itemsize if entry_format else 1
-    return [w / r / size for w, r in zip(token_layer_widths(cfg, entry_format), token_layer_ratios(cfg))]
+    return [w / r / size for w, r in zip(token_layer_widths(cfg, entry_format), token_layer_ratios(cfg), strict=False)]
 
 
 def pool_head_dim(widths: list[float]) -> int:
@@ -269,12 +276,12 @@ def state_pool_class(window_widths: list[int], token_widths: list[int], token_ra
                             "window rows", self.ring_period, self.page_size)
             with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
                 self.k_buffer = [torch.zeros((n, 1, w), dtype=torch.uint8 if c else self.store_dtype,
-                                             device=self.device) for n, w, c in zip(rows, widths, coded)]
+                                             device=self.device) for n, w, c in zip(rows, widths, coded, strict=False)]
                 self.v_buffer = [torch.zeros((slots, 1, V_COLUMNS), dtype=self.store_dtype, device=self.device)
                                  for _ in widths]
                 ring_dt = list(ring_dtypes or [None] * len(ring))
                 self.ring_buffers = [torch.zeros((ring_rows, w), dtype=dt or self.store_dtype, device=self.device)
-                                     for w, dt in zip(ring, ring_dt)]
+                                     for w, dt in zip(ring, ring_dt, strict=False)]
             self.use_native_move_kv_cache = True
             self._kv_buffer_descs = self._build_kv_buffer_descs()
             self._init_data_ptrs_and_strides()

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
 
 
@@ -70,7 +69,8 @@ class GrammarPaths:
         self.terminal = torch.zeros(batch * n, dtype=torch.bool)
         paths_host, valid_host = paths.tolist(), valid.tolist()
         for b, grammar, pending in self.rows:
-            node_paths = [[t for t, ok in zip(p, v) if ok] for p, v in zip(paths_host[b], valid_host[b])]
+            rows = zip(paths_host[b], valid_host[b], strict=True)
+            node_paths = [[t for t, ok in zip(p, v, strict=True) if ok] for p, v in rows]
             self._fill(grammar, pending, node_paths, mask, b * n)
         self.terminal = self.terminal.view(batch, n).to(paths.device)
 
@@ -129,6 +129,6 @@ class GrammarPaths:
 
 def grammar_paths(reqs, pending: list[list[int]], vocab: int) -> GrammarPaths | None:
     """The batch's grammar rows, or None where no running request has a grammar."""
-    rows = [(b, req.grammar, list(p)) for b, (req, p) in enumerate(zip(reqs, pending))
+    rows = [(b, req.grammar, list(p)) for b, (req, p) in enumerate(zip(reqs, pending, strict=False))
             if getattr(req, "grammar", None) is not None and not req.finished()]
     return GrammarPaths(rows, vocab) if rows else None

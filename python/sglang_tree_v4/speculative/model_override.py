@@ -47,8 +47,8 @@ def sglang_config(raw: dict, entry_format: str | None = None, itemsize: int = 1)
     from transformers import PretrainedConfig
 
     from ..dsv4.config import DSV4Config
-    from ..serving.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
     from ..serving import sglang_pool as sp
+    from ..serving.sglang_model import ARCHITECTURE, RAW_CONFIG_ATTR
 
     cfg = DSV4Config.from_dict(raw)
     window, token = sp.window_layer_widths(cfg), sp.token_layer_widths(cfg)
@@ -98,7 +98,8 @@ def chat_encoding(original, *args, **kwargs):
     from ..serving.sglang_model import ARCHITECTURE
 
     hf_config, tokenizer = kwargs.get("hf_config"), kwargs.get("tokenizer")
-    if (getattr(hf_config, "architectures", None) or [None])[0] == ARCHITECTURE and kwargs.get("tool_call_parser") is None:
+    architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+    if architecture == ARCHITECTURE and kwargs.get("tool_call_parser") is None:
         return None if getattr(tokenizer, "chat_template", None) else "dsv4"
     return original(*args, **kwargs)
 
@@ -108,7 +109,11 @@ def state_pool(original, configurator, *args, **kwargs):
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
     from ..serving.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
-    from ..serving.sglang_pool import model_state_pool_class, scratch_rows_of, verify_tokens_of
+    from ..serving.sglang_pool import (
+        model_state_pool_class,
+        scratch_rows_of,
+        verify_tokens_of,
+    )
 
     raw = getattr(getattr(configurator.model_config, "hf_config", None), RAW_CONFIG_ATTR, None)
     if raw is None or kwargs.get("kind") != "mha":
@@ -131,8 +136,8 @@ def entry_dtype(original, runner, *args, **kwargs):
     gets the compressor ring's share (``sglang_pool.swa_head_dim``)."""
     import torch
 
-    from ..serving import sglang_pool as sp
     from ..dsv4.config import DSV4Config
+    from ..serving import sglang_pool as sp
     from ..serving.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
 
     out = original(runner, *args, **kwargs)

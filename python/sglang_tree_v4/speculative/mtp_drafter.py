@@ -35,8 +35,8 @@ def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.T
     Returns ``(logits [B, 1, V], hidden [B, 1, hc, D])`` of each request's query at ``lens[b] - 1``.
     """
     device = req_table.device
-    counts = torch.tensor([n - s for s, n in zip(starts, lens)], device=device)
-    positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens)])
+    counts = torch.tensor([n - s for s, n in zip(starts, lens, strict=False)], device=device)
+    positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens, strict=False)])
     next_ids = torch.cat([torch.tensor(t, device=device) for t in next_tokens])
     query_req = torch.arange(len(lens), device=device).repeat_interleave(counts)
     return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, torch.cumsum(counts, 0) - 1)
@@ -82,7 +82,7 @@ def catch_up_prefill(model, mtp_store: SlotStore, streams: SlotStore, req_table:
     stream of a position before its chunk comes from ``streams``."""
     positions, query_req, next_ids, rows, starts = [], [], [], [], []
     offset = 0
-    for i, ((a, b), (lo, hi), toks) in enumerate(zip(chunks, spans, tokens)):
+    for i, ((a, b), (lo, hi), toks) in enumerate(zip(chunks, spans, tokens, strict=False)):
         positions += range(lo, hi)
         query_req += [i] * (hi - lo)
         next_ids += [toks[p + 1] for p in range(lo, hi)]

@@ -22,7 +22,9 @@ from .grammar_paths import GrammarPaths, grammar_paths
 
 def _sglang_scaling():
     """SGLang's own (compiled) repetition scaling, so the float arithmetic is the sampler's."""
-    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+    from sglang.srt.sampling.penaltylib.repetition_penalty import (
+        apply_scaling_penalties,
+    )
 
     return apply_scaling_penalties
 
@@ -62,8 +64,8 @@ class SamplingRules:
         penalties = None
         if bias is not None or any(_needs_penalties(r.sampling_params) for r in reqs):
             outputs = [list(r.output_ids) + list(p) if _needs_penalties(r.sampling_params) else []
-                       for r, p in zip(reqs, pending)]
-            lens = [len(r.output_ids) + len(p) for r, p in zip(reqs, pending)]
+                       for r, p in zip(reqs, pending, strict=False)]
+            lens = [len(r.output_ids) + len(p) for r, p in zip(reqs, pending, strict=False)]
             params = [r.sampling_params for r in reqs]
             penalties = PenaltyState.from_outputs(
                 outputs, vocab, frequency=[p.frequency_penalty for p in params],

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
 from ..serving.sglang_pool import check_page_size
 
-
 # Defaults when only --speculative-algorithm TREE_V4 is given: a real tree (K > 1). Among the D = 8 tree shapes
 # measured on the embedded model with calibrated draft scores (benchmark/RESULTS.md, "Tree shapes at D=8"; batch 1,
 # 24 prompts, shapes run in side-by-side pairs), (K, S) = (3, 4) accepted as much as the best (GSM8K 2.98 vs 2.99
@@ -126,7 +125,7 @@ def keeps_overlap(device: str | None) -> bool:
 
 def handle_server_args(server_args) -> None:
     """SGLang calls this while resolving arguments (on a recording stand-in: plain assignments are declared).
-    Without any of the three shape flags the budget is adaptive (``adaptive_budget``), the defaults then being its
+    Without any of the three shape flags the budget is adaptive (``adaptive.policy``), the defaults then being its
     largest shape; the decision travels to the scheduler processes in ``ADAPTIVE_ENV``."""
     import os
 

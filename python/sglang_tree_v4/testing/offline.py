@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dsv4.block import ModelOutput
-from .runner import DSV4Runner
 from ..dsv4.tree_state import TreeVerifier
-from ..tree import build_draft_tree, verify_greedy
 from ..speculative.mtp_drafter import MTPTreeDrafter
+from ..tree import build_draft_tree, verify_greedy
+from .runner import DSV4Runner
 
 
 @dataclass

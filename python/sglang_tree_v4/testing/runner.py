@@ -82,7 +82,7 @@ class DSV4Runner:
     def extend(self, rids: list[int], tokens: list[torch.Tensor | list[int]]) -> list[ModelOutput]:
         """Append ``tokens[i]`` to request ``rids[i]`` (prefill, a chunk, or one decode token) in one forward."""
         ids, pos, out, req, counts = [], [], [], [], []
-        for rid, tok in zip(rids, tokens):
+        for rid, tok in zip(rids, tokens, strict=False):
             tok = torch.as_tensor(tok, dtype=torch.long, device=self.device).reshape(-1)
             L, n = self.lens[rid], tok.numel()
             slots = torch.tensor(self.alloc.alloc(n), dtype=torch.long, device=self.device)
@@ -108,7 +108,7 @@ class DSV4Runner:
         """Run the MTP layer for the next ``len(next_tokens[i])`` positions of request i (target streams of those
         positions, tokens one ahead). Positions must already be committed for the target (their slots exist)."""
         ids, pos, out, req, counts, hs = [], [], [], [], [], []
-        for rid, tok, h in zip(rids, next_tokens, streams):
+        for rid, tok, h in zip(rids, next_tokens, streams, strict=False):
             tok = torch.as_tensor(tok, dtype=torch.long, device=self.device).reshape(-1)
             P, n = self.mtp_lens[rid], tok.numel()
             if P + n > self.lens[rid]:
@@ -127,4 +127,4 @@ class DSV4Runner:
 
 
 def _split(res: ModelOutput, counts: list[int]) -> list[ModelOutput]:
-    return [ModelOutput(lg, st) for lg, st in zip(res.logits.split(counts), res.streams.split(counts))]
+    return [ModelOutput(lg, st) for lg, st in zip(res.logits.split(counts), res.streams.split(counts), strict=False)]

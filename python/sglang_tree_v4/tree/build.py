@@ -109,18 +109,6 @@ def build_draft_tree(
     pool_size = 1
 
     for step in range(num_steps):
-        if step > 0:
-            logits, hidden = drafter(
-                DraftStep(
-                    step=step,
-                    tokens=frontier_tokens,
-                    positions=(prefix_lens[:, None] + step).expand(batch, topk),
-                    slots=frontier_slots,
-                    parent_slots=frontier_parent_slots,
-                    ancestors=frontier_anc,
-                    parent_hidden=frontier_parent_hidden,
-                )
-            )
         fed = logits.shape[1]
         if logits_hook is not None:
             logits = logits_hook(logits, frontier_paths)
@@ -150,8 +138,19 @@ def build_draft_tree(
         own = torch.zeros(batch, topk, topk, dtype=torch.bool, device=device)
         own[:, torch.arange(topk), torch.arange(topk)] = True
         frontier_anc = torch.cat([parent_anc, own], dim=-1)
-        frontier_parent_hidden = hidden[batch_idx, parent_local]
         frontier_paths = torch.cat([frontier_paths[batch_idx, parent_local], frontier_tokens[:, :, None]], dim=-1)
+        # The next step's drafter pass, over the new frontier.
+        logits, hidden = drafter(
+            DraftStep(
+                step=step + 1,
+                tokens=frontier_tokens,
+                positions=(prefix_lens[:, None] + step + 1).expand(batch, topk),
+                slots=frontier_slots,
+                parent_slots=frontier_parent_slots,
+                ancestors=frontier_anc,
+                parent_hidden=hidden[batch_idx, parent_local],
+            )
+        )
 
     return _rerank(
         torch.cat(pool_tokens, 1),

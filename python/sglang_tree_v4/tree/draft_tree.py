@@ -150,7 +150,8 @@ class DraftTree:
         return mask[..., :width]
 
     def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
-        """``[B, D]`` int64 token positions: ``prefix_lens[b] + depth`` (prefix_lens = committed tokens before the root)."""
+        """``[B, D]`` int64 token positions: ``prefix_lens[b] + depth`` (prefix_lens = committed tokens before the
+        root)."""
         return prefix_lens.long()[:, None] + self.depths
 
     def sibling_links(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,7 +170,8 @@ def _penalties(logits: torch.Tensor, paths: torch.Tensor, path_valid: torch.Tens
     logits.scatter_(-1, paths, vals)
 
 
-def tree_paths(tokens: torch.Tensor, ancestors: torch.Tensor, depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_paths(tokens: torch.Tensor, ancestors: torch.Tensor,
+               depths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(paths, valid)`` of every node of a tree batch for :func:`process_path_logits`: column ``j`` of node ``i``
     is node ``j``'s token, valid where ``j`` is an ancestor-or-self of ``i`` below the root (``[B, D, D]``)."""
     batch, width = tokens.shape

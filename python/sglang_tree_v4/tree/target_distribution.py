@@ -19,7 +19,8 @@ top-k before applying top-p, and its EAGLE verifier applies top-k then top-p seq
 
 Sorting a whole 129k vocabulary row is slow on a CPU, so the cutoff is found among the ``topk(cap)`` candidates of
 growing caps; rows no cap decides (top-p mass not reached inside the candidates, or a tie across the candidate
-boundary) and without top-k go, for large vocabularies, through probability buckets (only the bucket where the mass crosses top_p is
+boundary) and without top-k go, for large vocabularies, through probability buckets (only the bucket where the mass
+crosses top_p is
 ranked), and only what remains is fully sorted. Every way keeps the same tokens, up to float rounding of the
 running mass right at the cutoff.
 """
