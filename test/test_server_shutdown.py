@@ -73,11 +73,19 @@ def test_dead_scheduler_is_still_reported(tmp_path):
     assert "crashed" in text and rc != 0, text[-3000:]
 
 
-def test_demo_stops_cleanly():
+def test_demo_stops_cleanly(tmp_path):
+    """The demo's default output is short (at most 25 lines: both speeds and whether the texts match), and both
+    servers whose logs it names stop without a crash."""
     port = launcher.free_port()
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--port", str(port)],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--port", str(port),
+                           "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=launcher.clean_env())
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-3000:]
-    assert "accepted length:" in text
-    _no_crash_text(text)
+    assert "accepted length:" in text and "texts identical:" in text and "tokens/s" in text, text
+    assert len(text.splitlines()) <= 25, text
+    logs = sorted(tmp_path.glob("*.log"))
+    assert len(logs) == 2, logs
+    for log in logs:
+        assert str(log) in text
+        _no_crash_text(log.read_text())
