@@ -4,8 +4,8 @@ ones inside functions): no cycle, and the layers of the design import one way on
 ``tree/`` (tree math) <- ``dsv4/`` (the model and its state) <- ``checkpoint/`` (formats, the quantization swap,
 tensor-parallel sharding) <- ``serving/`` (SGLang's model and KV pool adapters) <- ``speculative/`` (the TREE_V4
 worker and its SGLang hooks) <- ``plugin.py``; ``cpu/`` (platform support) reads configs and the pool's layout;
-``footprint/`` (the report) and ``testing/`` (launcher, prompts, runners for tests and benchmarks) sit on top, and
-no product layer imports them. ``tree/``, ``dsv4/`` and ``checkpoint/`` are free of sglang, except ``checkpoint/tp``,
+``footprint/`` and ``step_cost/`` (the reports) and ``testing/`` (launcher, prompts, runners for tests and
+benchmarks) sit on top, and no product layer imports them. ``tree/``, ``dsv4/`` and ``checkpoint/`` are free of sglang, except ``checkpoint/tp``,
 the swap to SGLang's parallel layers.
 """
 
@@ -26,6 +26,7 @@ ALLOWED = {
     "speculative": {"tree", "dsv4", "checkpoint", "serving", "cpu"},
     "plugin": {"cpu", "speculative"},
     "footprint": {"tree", "dsv4", "checkpoint", "serving", "speculative"},
+    "step_cost": {"tree", "dsv4", "checkpoint", "serving", "speculative"},
     "testing": {"tree", "dsv4", "checkpoint", "serving", "speculative", "cpu"},
 }
 SGLANG_FREE = ("tree", "dsv4", "checkpoint")
