@@ -5,8 +5,8 @@ ones inside functions): no cycle, and the layers of the design import one way on
 tensor-parallel sharding) <- ``serving/`` (SGLang's model and KV pool adapters) <- ``speculative/`` (the TREE_V4
 worker and its SGLang hooks) <- ``plugin.py``; ``cpu/`` (platform support) reads configs and the pool's layout;
 ``footprint/`` and ``step_cost/`` (the reports) and ``testing/`` (launcher, prompts, runners for tests and
-benchmarks) sit on top, and no product layer imports them. ``tree/``, ``dsv4/`` and ``checkpoint/`` are free of sglang, except ``checkpoint/tp``,
-the swap to SGLang's parallel layers.
+benchmarks) sit on top, and no product layer imports them. ``tree/``, ``dsv4/`` and ``checkpoint/`` are free of
+sglang, except ``checkpoint/tp``, the swap to SGLang's parallel layers.
 """
 
 from __future__ import annotations

@@ -14,19 +14,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sgl_kernel_ext.fp8_linear import fp8_block_linear
 from sgl_kernel_ext.weight_formats import (
     FP4_GROUP,
     FP8_BLOCK,
     FP8_DTYPE,
     dequantize_fp4,
-    fp8_block_matmul,
 )
 
 from ..dsv4.moe import Experts
 
 
 class FP8BlockLinear(nn.Module):
-    """``y = x W^T`` with ``W`` FP8 e4m3 and one power-of-two scale per 128 x 128 block (DeepSeek's layout)."""
+    """``y = x W^T`` with ``W`` FP8 e4m3 and one power-of-two scale per 128 x 128 block (DeepSeek's layout), as
+    one ``sgl_kernel_ext.fp8_block_linear`` call: the Triton kernel on a GPU, the block-by-block reference on the
+    CPU, shapes only on meta."""
 
     offsets = (0, 0)  # a whole matrix starts on a block boundary
 
@@ -38,7 +40,7 @@ class FP8BlockLinear(nn.Module):
                                                   dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_block_matmul(x, self.weight, self.scale)
+        return fp8_block_linear(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, 128x128 block scales"
@@ -47,7 +49,8 @@ class FP8BlockLinear(nn.Module):
 class FP4Experts(Experts):
     """Routed experts with FP4 weights: ``w1, w3 [E, I, D/2]``, ``w2 [E, D, I/2]`` packed bytes and their e8m0
     scales ``w*_scale [E, out, in/32]``. Used through ``Experts``' interface: ``expert(e)`` dequantises one expert;
-    the forward dequantises the held experts for one grouped dispatch."""
+    the forward (``Experts``') hands the packed bytes to ``sgl_kernel_ext.routed_experts``, which dequantises only
+    the routed experts (tile by tile in registers on a GPU, one expert at a time on the CPU)."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float, device=None, first: int = 0):
         nn.Module.__init__(self)
@@ -60,10 +63,5 @@ class FP4Experts(Experts):
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(dequantize_fp4(getattr(self, n)[e], getattr(self, n + "_scale")[e]) for n in ("w1", "w3", "w2"))
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The CPU reference: the held experts dequantised into one temporary, then the grouped dispatch of
-        ``Experts`` (no loop over experts, no host synchronisation). On a GPU this is the place for a fused FP4 MoE
-        kernel, which reads the packed weights directly."""
-        w1, w3, w2 = (dequantize_fp4(getattr(self, n), getattr(self, n + "_scale")).to(x.dtype)
-                      for n in ("w1", "w3", "w2"))
-        return self.grouped(x, idx, w, w1, w3, w2)
+    def kernel_weights(self) -> tuple:
+        return "fp4", self.w1, self.w3, self.w2, self.w1_scale, self.w3_scale, self.w2_scale

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
-from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE, fp8_block_matmul
+from sgl_kernel_ext.fp8_linear import fp8_block_linear
+from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE
 
 from ..dsv4.attention import Attention
 from ..dsv4.config import ConfigError
@@ -62,8 +63,8 @@ def _fp8_method():
 
     class FP8BlockMethod(LinearMethodBase):
         """Our FP8 e4m3 weights with 128 x 128 power-of-two block scales inside SGLang's linear layers; the matmul
-        dequantises one block of rows at a time (``weight_formats.fp8_block_matmul``: the CPU path; on a GPU the place
-        for SGLang's FP8 block GEMM)."""
+        is one ``sgl_kernel_ext.fp8_block_linear`` call with the shard's block offsets (the Triton kernel on a GPU,
+        the block-by-block reference on the CPU)."""
 
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                            params_dtype, **extra):
@@ -80,7 +81,7 @@ def _fp8_method():
                 torch.empty(r_hi - r_lo, c_hi - c_lo, dtype=torch.float32), requires_grad=False))
 
         def apply(self, layer, x, bias=None):
-            y = fp8_block_matmul(x, layer.weight, layer.scale, layer.offsets)
+            y = fp8_block_linear(x, layer.weight, layer.scale, layer.offsets)
             return y if bias is None else y + bias
 
     return FP8BlockMethod

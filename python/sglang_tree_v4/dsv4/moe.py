@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_kernel_ext.routed_experts import routed_experts
+
 from .config import DSV4Config
 
 
@@ -58,9 +60,11 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked: ``w1, w3 [E, I, D]``, ``w2 [E, D, I]``. ``expert(e)`` gives one expert's float
-    weights; a quantized subclass (``quantized_modules.FP4Experts``) keeps them packed and dequantises them for its
-    grouped matmuls. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the model's and
-    adds only their share of each token (the ranks' shares are summed by an all-reduce, see ``tp``)."""
+    weights; a quantized subclass (``quantized_modules.FP4Experts``) keeps them packed and hands them to the kernel
+    through ``kernel_weights``. Under expert parallelism a rank holds experts ``first .. first + E - 1`` of the
+    model's and adds only their share of each token (the ranks' shares are summed by an all-reduce, see ``tp``).
+    The forward is ``sgl_kernel_ext.routed_experts``: it reads only the experts some token is routed to (a Triton
+    kernel on CUDA, fixed shapes; on the CPU a loop over the routed experts), and its fake keeps meta working."""
 
     def __init__(self, n: int, dim: int, inter: int, limit: float, first: int = 0):
         super().__init__()
@@ -73,30 +77,13 @@ class Experts(nn.Module):
         """(w1 [I, D], w3 [I, D], w2 [D, I]) of local expert ``e``."""
         return self.w1[e], self.w3[e], self.w2[e]
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.grouped(x, idx, w, self.w1, self.w3, self.w2)
+    def kernel_weights(self) -> tuple:
+        """(format, w1, w3, w2, s1, s3, s2) as ``routed_experts`` takes them; a quantized subclass returns its own."""
+        return "dense", self.w1, self.w3, self.w2, None, None, None
 
-    def grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
-        """Grouped dispatch: the (token, expert) pairs sorted by expert, three segmented matmuls over all experts
-        at once (``torch._grouped_mm`` with per-expert offsets, CPU and CUDA), the weighted rows added back to their
-        tokens. No loop over experts and no host synchronisation. Pairs routed to another rank's experts sort
-        last, past the final offset, where the grouped matmul leaves its output undefined: they are masked out."""
-        n, k = idx.shape
-        held = w1.shape[0]
-        local = idx.reshape(-1) - self.first
-        mine = (local >= 0) & (local < held)
-        flat = torch.where(mine, local, held)
-        order = flat.argsort(stable=True)
-        tokens = order // k
-        counts = torch.zeros(held + 1, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts[:held].cumsum(0).to(torch.int32)
-        rows = x[tokens]
-        gate = torch._grouped_mm(rows, w1.transpose(1, 2), offs=offsets)
-        up = torch._grouped_mm(rows, w3.transpose(1, 2), offs=offsets)
-        down = torch._grouped_mm(swiglu(gate, up, self.limit), w2.transpose(1, 2), offs=offsets)
-        weighted = torch.where(mine[order, None], down * w.reshape(-1)[order, None].to(down.dtype), 0)
-        return torch.zeros_like(x).index_add(0, tokens, weighted.to(x.dtype))
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fmt, w1, w3, w2, s1, s3, s2 = self.kernel_weights()
+        return routed_experts(x, idx, w, self.first, fmt, w1, w3, w2, s1, s3, s2, self.limit)
 
 
 class MoE(nn.Module):
