@@ -236,7 +236,11 @@ if not INTERPRETED:
         CHILD_RUNS[f"{fmt}-bf16"] = f"interpreted and matches and {fmt} and bf16"
         CHILD_RUNS[f"{fmt}-reads"] = f"interpreted and {fmt} and not matches"
 
-    @pytest.mark.parametrize("selection", list(CHILD_RUNS))
+    # the fast tier keeps one comparison and one read check; the other child runs are the slow tier's
+    FAST_RUNS = ("fp4-bf16", "fp8-reads")
+
+    @pytest.mark.parametrize("selection", [s if s in FAST_RUNS else pytest.param(s, marks=pytest.mark.slow)
+                                           for s in CHILD_RUNS])
     def test_triton_path_under_interpreter(selection):
         """Re-run part of this file's interpreted tests with TRITON_INTERPRET=1 in a child pytest."""
         env = dict(os.environ, TRITON_INTERPRET="1")
