@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from . import traffic
 from .ops import _backend
-from .weight_formats import E8M0_DTYPE, FP4_GROUP, FP8_BLOCK, FP8_DTYPE, dequantize_fp4, e8m0_to_float
+from .weight_formats import E8M0_DTYPE, FP4_GROUP, FP8_BLOCK, FP8_DTYPE, dequantize_fp4, dequantize_fp8, e8m0_to_float
 
 FORMATS = ("dense", "fp4", "fp8")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,7 +55,8 @@ def intermediate_shapes(n_pairs: int, n_experts: int, dim: int, inter: int) -> d
     return {"counts": (n_experts,), "order": (n_pairs,), "h": (n_pairs, inter), "y": (n_pairs, dim)}
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's clamped SwiGLU (gate <= limit, |up| <= limit): the routed experts' and the shared expert's."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
@@ -65,9 +66,7 @@ def dequantize_expert(fmt: str, w: torch.Tensor, s: torch.Tensor | None, e: int)
         return w[e]
     if fmt == "fp4":
         return dequantize_fp4(w[e], s[e])
-    we, se = w[e], e8m0_to_float(s[e])
-    full = se.repeat_interleave(FP8_BLOCK, 0)[: we.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : we.shape[1]]
-    return we.float() * full
+    return dequantize_fp8(w[e], e8m0_to_float(s[e]))
 
 
 def routed_experts_ref(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, first: int, fmt: str,
@@ -84,7 +83,7 @@ def routed_experts_ref(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
         tok, slot = torch.nonzero(local == e, as_tuple=True)
         gate_w, up_w, down_w = (dequantize_expert(fmt, w, s, e).to(x.dtype) for w, s in ((w1, s1), (w3, s3), (w2, s2)))
         rows = x[tok]
-        h = _swiglu(rows @ gate_w.t(), rows @ up_w.t(), limit)
+        h = swiglu(rows @ gate_w.t(), rows @ up_w.t(), limit)
         y = (h @ down_w.t()).float()
         out.index_add_(0, tok, wf[tok, slot, None] * y)
     return out.to(x.dtype)

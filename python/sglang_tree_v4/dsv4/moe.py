@@ -11,13 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_kernel_ext.routed_experts import routed_experts
+from sgl_kernel_ext.routed_experts import routed_experts, swiglu
 
 from .config import DSV4Config
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 class MLP(nn.Module):
