@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import torch
 
-from . import reference
+from . import reference, traffic
 
 _BACKENDS = ("auto", "torch", "triton", "flashinfer")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,6 +51,11 @@ def _backend(requested: str | None, tensor: torch.Tensor, gpu_default: str = "tr
     if choice == "auto":
         return gpu_default if tensor.is_cuda else "torch"
     return choice
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd runs the references (training); the custom ops have no backward and are for inference."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _check_index(name: str, idx: torch.Tensor, n_rows: int) -> None:
@@ -93,11 +99,40 @@ def tree_sparse_attention(
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError("out must match q in shape and dtype")
 
-    if _backend(backend, q) == "torch":
+    if needs_grad(q, kv_a, kv_b, sink):
         return reference.tree_sparse_attention_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out)
+    result = torch.ops.sgl_kernel_ext.tree_sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, float(scale),
+                                                            backend, num_splits)
+    return result if out is None else out.copy_(result)
+
+
+@torch.library.custom_op("sgl_kernel_ext::tree_sparse_attention", mutates_args=())
+def _tree_sparse_attention_op(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: Optional[torch.Tensor],
+                              idx_b: Optional[torch.Tensor], sink: torch.Tensor, scale: float,
+                              backend: Optional[str] = None, num_splits: Optional[int] = None) -> torch.Tensor:
+    if _backend(backend, q) == "torch":
+        return reference.tree_sparse_attention_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale)
     from .triton_tree_attention import tree_sparse_attention_triton
 
-    return tree_sparse_attention_triton(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out, num_splits=num_splits)
+    return tree_sparse_attention_triton(q, kv_a, idx_a, kv_b, idx_b, sink, scale, num_splits=num_splits)
+
+
+@_tree_sparse_attention_op.register_fake
+def _(q, kv_a, idx_a, kv_b, idx_b, sink, scale, backend=None, num_splits=None):
+    return torch.empty_like(q)
+
+
+@traffic.declare("sgl_kernel_ext::tree_sparse_attention")
+def tree_sparse_attention_traffic(q, kv_a, idx_a, kv_b, idx_b, sink, scale, backend=None, num_splits=None):
+    """The Triton path: q, the index lists and the sink read once, every listed row once per node that lists it
+    (padding included: the bound of a list's reads), the output written once; one launch (a split run adds its
+    partial results' round trip and the merge launch, which a fixed-shape decode on a GPU does not need at B = 1
+    only when the SMs are already full: counted as one launch here, as the default tiling at the step's sizes)."""
+    partial = [(1, idx_a.numel() * kv_a.shape[1] * kv_a.element_size())]
+    if kv_b is not None and idx_b is not None:
+        partial.append((3, idx_b.numel() * kv_b.shape[1] * kv_b.element_size()))
+    read = traffic.nbytes(q) + traffic.nbytes(idx_a) + traffic.nbytes(idx_b) + traffic.nbytes(sink)
+    return traffic.Traffic(read + sum(b for _, b in partial), traffic.nbytes(q), 1, tuple(partial))
 
 
 def compress_entries(
@@ -135,15 +170,44 @@ def compress_entries(
     if out is not None and (out.shape != (n_entries, width) or out.dtype != (out_dtype or kv_store.dtype)):
         raise ValueError("out has the wrong shape or dtype")
 
+    if needs_grad(kv_store, score_store, ape, norm_w):
+        return reference.compress_entries_ref(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin,
+                                              out_dtype=out_dtype, out=out)
+    result = torch.ops.sgl_kernel_ext.compress_entries(kv_store, score_store, idx, col_off, ape, norm_w, float(eps),
+                                                       cos, sin, out_dtype or kv_store.dtype, backend)
+    return result if out is None else out.copy_(result)
+
+
+@torch.library.custom_op("sgl_kernel_ext::compress_entries", mutates_args=())
+def _compress_entries_op(kv_store: torch.Tensor, score_store: torch.Tensor, idx: torch.Tensor, col_off: torch.Tensor,
+                         ape: torch.Tensor, norm_w: torch.Tensor, eps: float, cos: Optional[torch.Tensor],
+                         sin: Optional[torch.Tensor], out_dtype: torch.dtype,
+                         backend: Optional[str] = None) -> torch.Tensor:
     if _backend(backend, kv_store) == "torch":
-        return reference.compress_entries_ref(
-            kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin, out_dtype=out_dtype, out=out
-        )
+        return reference.compress_entries_ref(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin,
+                                              out_dtype=out_dtype)
     from .triton_compress import compress_entries_triton
 
-    return compress_entries_triton(
-        kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin, out_dtype=out_dtype, out=out
-    )
+    return compress_entries_triton(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin,
+                                   out_dtype=out_dtype)
+
+
+@_compress_entries_op.register_fake
+def _(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin, out_dtype, backend=None):
+    return kv_store.new_empty(idx.shape[0], ape.shape[1], dtype=out_dtype)
+
+
+@traffic.declare("sgl_kernel_ext::compress_entries")
+def compress_entries_traffic(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin, out_dtype,
+                             backend=None):
+    """The Triton path: for each entry and slot one kv and one score row of C channels, the index, the biases,
+    the norm weight and the entry's cos/sin read once; the entries written once; one launch."""
+    n_entries, width = idx.shape[0], ape.shape[1]
+    slots = idx.numel() * width
+    partial = ((0, slots * kv_store.element_size()), (1, slots * score_store.element_size()))
+    small = sum(traffic.nbytes(t) for t in (idx, col_off, ape, norm_w, cos, sin))
+    out_bytes = n_entries * width * torch.empty((), dtype=out_dtype, device="meta").element_size()
+    return traffic.Traffic(small + sum(b for _, b in partial), out_bytes, 1, partial)
 
 
 def tree_mask_to_index_lists(

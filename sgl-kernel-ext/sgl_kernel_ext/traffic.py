@@ -18,9 +18,13 @@ class Traffic:
     read: int  # bytes read from device memory
     written: int  # bytes written to device memory
     launches: int  # kernel launches
+    # (argument position, bytes read of it) for the arguments read only in part (a pool a kernel reads rows of);
+    # the others are read whole, and whatever ``read`` holds beyond all that is weights read in part
+    partial: tuple[tuple[int, int], ...] = ()
 
     def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(self.read + other.read, self.written + other.written, self.launches + other.launches)
+        return Traffic(self.read + other.read, self.written + other.written, self.launches + other.launches,
+                       self.partial + other.partial)
 
 
 # custom op name ("sgl_kernel_ext::name") -> function of the op's (args, kwargs) giving its Traffic

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from sgl_kernel_ext import ops
-from sgl_kernel_ext.weight_formats import dense_weight
+from sgl_kernel_ext.fp8_linear import fp8_block_linear
+from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE
 
 from .compressor import Compressor, Indexer
 from .config import CSA, HCA, SLIDING, DSV4Config
@@ -92,10 +93,24 @@ class Attention(nn.Module):
         o = ops.tree_sparse_attention(q, k_store, k_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], -sin[:, None])
-        g = self.o_groups
-        wa = dense_weight(self.wo_a).to(o.dtype).view(g, -1, H * hd // g)
-        o = torch.einsum("ngd,grd->ngr", o.reshape(n, g, H * hd // g), wa).flatten(1)
-        return self.wo_b(o)
+        return self.wo_b(self._grouped_wo_a(o.reshape(n, self.o_groups, H * hd // self.o_groups)))
+
+    def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """``[n, g, H*hd/g]`` -> ``[n, g * o_lora_rank]``: group i through rows ``i*R .. (i+1)*R`` of ``wo_a``. An
+        FP8 ``wo_a`` goes group by group through the FP8 linear (its block scales at the group's row offset), so
+        no dequantised copy of the weight is ever written."""
+        g = o.shape[1]
+        w = self.wo_a.weight
+        if w.dtype != FP8_DTYPE:
+            return torch.einsum("ngd,grd->ngr", o, w.to(o.dtype).view(g, -1, o.shape[2])).flatten(1)
+        rows = w.shape[0] // g
+        off_r, off_c = getattr(self.wo_a, "offsets", (0, 0))
+        outs = []
+        for i in range(g):
+            r0 = off_r + i * rows
+            outs.append(fp8_block_linear(o[:, i], w[i * rows:(i + 1) * rows], self.wo_a.scale[r0 // FP8_BLOCK:],
+                                         (r0 % FP8_BLOCK, off_c)))
+        return torch.cat(outs, 1)
 
 
 def _entry_slots(fb: ForwardBatch, r: int) -> torch.Tensor:

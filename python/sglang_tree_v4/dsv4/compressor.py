@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from sgl_kernel_ext import ops
+from sgl_kernel_ext.indexer import indexer_scores
 
 from .norm import RMSNorm
 from .rope import Rope
@@ -126,7 +127,7 @@ def _closer_rows(fb: ForwardBatch, r: int,
     return closers, sub.lookup(pos), closes
 
 
-INDEXER_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32 temporaries per chunk
+INDEXER_CHUNK_ELEMENTS = 1 << 22  # scores (fp32) and entry rows (int64) of one chunk: 16 + 32 MiB
 
 
 class Indexer(nn.Module):
@@ -146,8 +147,9 @@ class Indexer(nn.Module):
         """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch, or the
         capacity ``fb.caps.entries(4)`` with fixed shapes).
 
-        Entries are scored in chunks of ``chunk_entries(N)`` with a running top-k, so the temporaries (gathered
-        keys ``[N, C, ihd]`` and per-head scores ``[N, H, C]``) are bounded by the chunk, not by the context."""
+        The scores are one ``indexer_scores`` op per chunk of ``chunk_entries(N)`` entries (one chunk for a decode
+        or a draft tree up to long contexts), with a running top-k across chunks, so the temporaries are bounded by
+        the chunk, not by the context."""
         n = x.shape[0]
         n_vis = (fb.positions + 1) // 4
         emax = fb.entry_width(4)
@@ -156,18 +158,19 @@ class Indexer(nn.Module):
             return z, z.bool()
         k = min(self.topk, emax)
         q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
-        q = rope.rotate(q, cos[:, None], sin[:, None]).float()
+        q = rope.rotate(q, cos[:, None], sin[:, None])
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        best_score = torch.empty(n, 0, device=x.device)
-        best_idx = torch.empty(n, 0, dtype=torch.long, device=x.device)
+        best_score = best_idx = None
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
             cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
-            valid = cand < n_vis[:, None]
-            keys = store.read(layer, "ientry", torch.where(valid, fb.table.lookup(cand * 4 + 3, entries=True), -1))
-            s = torch.relu(torch.einsum("nhd,ned->nhe", q, keys.float())) * self.head_dim ** -0.5
-            score = (s * w.unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
-            best_score, best_idx = torch.cat([best_score, score], 1), torch.cat([best_idx, cand], 1)
+            slots = torch.where(cand < n_vis[:, None], fb.table.lookup(cand * 4 + 3, entries=True), -1)
+            keys, rows = store.readable(layer, "ientry", store.index(layer, "ientry", slots), q.dtype)
+            score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5)
+            if best_score is None:
+                best_score, best_idx = score, cand
+            else:
+                best_score, best_idx = torch.cat([best_score, score], 1), torch.cat([best_idx, cand], 1)
             if best_score.shape[1] > k:
                 top = best_score.topk(k, dim=-1)
                 best_score, best_idx = top.values, best_idx.gather(1, top.indices)
@@ -176,6 +179,5 @@ class Indexer(nn.Module):
         return best_idx, best_score > float("-inf")
 
     def chunk_entries(self, n_queries: int) -> int:
-        """Entries scored at once: about ``INDEXER_CHUNK_ELEMENTS`` fp32 values of keys and per-head scores."""
-        per_entry = max(n_queries, 1) * (self.n_heads + self.head_dim)
-        return max(64, INDEXER_CHUNK_ELEMENTS // per_entry)
+        """Entries scored at once: about ``INDEXER_CHUNK_ELEMENTS`` scores."""
+        return max(64, INDEXER_CHUNK_ELEMENTS // max(n_queries, 1))

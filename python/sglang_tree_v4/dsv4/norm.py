@@ -1,14 +1,15 @@
 """RMSNorm, weighted and unweighted (V4 uses both: learned norms on q_lora/kv/blocks; a bare one per q head and
-inside the hyper-connection projections)."""
+inside the hyper-connection projections). The math is ``sgl_kernel_ext.rms_norm``'s (one kernel on a GPU)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from sgl_kernel_ext.rms_norm import rms_norm
+
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms_norm(x, None, eps)
 
 
 class RMSNorm(nn.Module):
@@ -18,4 +19,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms(x, self.eps)
+        return rms_norm(x, self.weight, self.eps)

@@ -97,12 +97,18 @@ class StepCounter(TorchDispatchMode):
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         decl = declared(func.name(), args, kwargs)
         if decl is not None:
-            # Non-weight inputs are read whole; the rest of the declared read is weights (what a kernel skips).
+            # Inputs read in part are charged what the declaration says, other non-weight inputs whole; the rest of
+            # the declared read is weights (a kernel reads only the routed experts' of a stack).
             plain = 0
-            for t in inputs:
-                if self.klass(t) != "weights":
-                    self._charge(read, t, touched_bytes(t))
-                    plain += touched_bytes(t)
+            partial = dict(decl.partial)
+            for i, a in enumerate(args):
+                for t in _tensors(a):
+                    if i in partial:
+                        self._charge(read, t, partial[i])
+                        plain += partial[i]
+                    elif self.klass(t) != "weights":
+                        self._charge(read, t, touched_bytes(t))
+                        plain += touched_bytes(t)
             read["weights"] += max(decl.read - plain, 0)
             extra = decl.written - sum(touched_bytes(t) for t in outputs)
             for t in outputs:
@@ -140,7 +146,10 @@ class StepCounter(TorchDispatchMode):
                 self._charge(read, t, touched_bytes(t))
             for t in outputs:  # an in-place op's output is the input it writes
                 self._charge(written, t, touched_bytes(t))
-        largest = max((touched_bytes(t) for t in outputs), default=0)
+        if func in _SCATTERS:  # an in-place scatter returns its destination but writes only the rows it moves
+            largest = sum(written.values())
+        else:
+            largest = max((touched_bytes(t) for t in outputs), default=0)
         self.ops.append(OpCount(func.name(), self.phase, self.layer, dict(read), dict(written), launches, largest))
         return out
 

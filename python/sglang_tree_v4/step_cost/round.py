@@ -96,7 +96,7 @@ def run_round(model, counter: StepCounter, batch: int, context: int, draft: int,
     caps = StepCaps.bucket(context + D, 1 << 30, D)
     handles = _layer_marks(model, counter)
     try:
-        with collectives(counter, tp_size, tp_rank), counter:
+        with collectives(counter, tp_size, tp_rank), torch.no_grad(), counter:  # as the server runs it
             if D > 1:
                 counter.phase = "draft"
                 root_logits, root_hidden = catch_up_fixed(model, mtp_store, streams, req_table, lens, _meta(B, D))

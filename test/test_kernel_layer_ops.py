@@ -1,0 +1,238 @@
+"""The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, the indexer's scores, and the
+tree attention and entry compression kernels registered as ops.
+
+* each Triton kernel, run by Triton's CPU interpreter in a child pytest (as in ``test_kernel_fp8_linear``), against
+  its torch reference at two shapes or more, padded ones included (sizes that are not powers of two, -1 padding in
+  index lists);
+* declared traffic: rows an index list does not name are NaN in the pool and must not reach the output (the kernel
+  reads only what it declares), and each declaration equals a hand count;
+* fakes: shapes and dtypes on the meta device; autograd callers get the reference (the ops have no backward).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_kernel_ext import ops, traffic
+from sgl_kernel_ext.hyper_connection import hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
+from sgl_kernel_ext.reference import compress_entries_ref, tree_sparse_attention_ref
+from sgl_kernel_ext.rms_norm import rms_norm, rms_norm_ref
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ULP = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-22}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def hc_case(n: int, hc: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    g = _gen(seed)
+    rows = (2 + hc) * hc
+    return (torch.randn(n, hc, dim, generator=g).to(dtype), torch.randn(rows, hc * dim, generator=g) * 0.05,
+            torch.randn(rows, generator=g) * 0.1, torch.rand(3, generator=g) + 0.5)
+
+
+def indexer_case(n: int, heads: int, dim: int, pool: int, listed: int, dtype: torch.dtype, seed: int = 0):
+    """Keys as a column slice of a wider pool; rows with -1 padding anywhere."""
+    g = _gen(seed)
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    w = torch.randn(n, heads, generator=g)
+    wide = torch.randn(pool, dim + 12, generator=g).to(dtype)
+    rows = torch.randint(-1, pool, (n, listed), generator=g)
+    return q, w, wide[:, 6:6 + dim], rows
+
+
+def poisoned(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of the pool whose rows no list names are NaN."""
+    out = keys.clone()
+    unread = torch.ones(keys.shape[0], dtype=torch.bool)
+    unread[rows[rows >= 0]] = False
+    out[unread] = float("nan")
+    return out
+
+
+def assert_close_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = 2.0):
+    """Within ``ulps`` units in the last place of the tensor's largest magnitude: the flipped roundings of another
+    summation order (a sum that cancels can lose its relative precision in either path)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().clamp(min=1e-6).item()
+    assert err <= ulps * ULP[want.dtype], err
+
+
+# ---- references, fakes, declarations (this process) ------------------------------------------------------------
+
+def test_hc_pre_reference_is_doubly_stochastic_and_collapses_with_pre():
+    streams, fn, base, scale = hc_case(4, 4, 32, torch.float32)
+    collapsed, post, comb = hc_pre_ref(streams, fn, base, scale, 30, 1e-6, 1e-6)
+    assert torch.allclose(comb.sum(-1), torch.ones(4, 4), atol=1e-3)
+    assert torch.allclose(comb.sum(-2), torch.ones(4, 4), atol=1e-3)
+    assert ((post > 0) & (post < 2)).all()
+    assert not torch.allclose(collapsed, streams.mean(1))  # pre weights, not a plain mean
+
+
+def test_fakes_give_shapes_and_dtypes_on_meta():
+    m = dict(device="meta")
+    streams = torch.empty(5, 4, 64, dtype=torch.bfloat16, **m)
+    col, post, comb = hc_pre(streams, torch.empty(24, 256, **m), torch.empty(24, **m), torch.empty(3, **m), 20,
+                             1e-6, 1e-6)
+    assert (col.shape, col.dtype, post.shape, post.dtype, comb.shape) == ((5, 64), torch.bfloat16, (5, 4),
+                                                                           torch.float32, (5, 4, 4))
+    assert hc_post(torch.empty(5, 64, dtype=torch.bfloat16, **m), streams, post, comb).shape == (5, 4, 64)
+    y = rms_norm(torch.empty(3, 7, 64, dtype=torch.bfloat16, **m), torch.empty(64, **m), 1e-6)
+    assert y.shape == (3, 7, 64) and y.dtype == torch.float32
+    s = indexer_scores(torch.empty(6, 8, 32, dtype=torch.bfloat16, **m), torch.empty(6, 8, **m),
+                       torch.empty(100, 32, dtype=torch.bfloat16, **m), torch.empty(6, 40, dtype=torch.long, **m), 0.1)
+    assert s.shape == (6, 40) and s.dtype == torch.float32
+    o = ops.tree_sparse_attention(torch.empty(6, 4, 64, **m), torch.empty(50, 64, **m),
+                                  torch.empty(6, 9, dtype=torch.long, **m), None, None, torch.empty(4, **m), 0.1)
+    assert o.shape == (6, 4, 64)
+    e = ops.compress_entries(torch.empty(50, 128, **m), torch.empty(50, 128, **m),
+                             torch.empty(3, 8, dtype=torch.long, **m), torch.empty(8, dtype=torch.long, **m),
+                             torch.empty(8, 64, **m), torch.empty(64, **m), 1e-6, None, None,
+                             out_dtype=torch.bfloat16)
+    assert e.shape == (3, 64) and e.dtype == torch.bfloat16
+
+
+def test_declared_traffic_is_the_hand_count():
+    n, hc, dim = 8, 4, 4096
+    streams = torch.empty(n, hc, dim, dtype=torch.bfloat16, device="meta")
+    fn = torch.empty(24, hc * dim, device="meta")
+    t = traffic.declared("sgl_kernel_ext::hc_pre", (streams, fn, torch.empty(24), torch.empty(3), 20, 1e-6, 1e-6),
+                         {})
+    assert t == traffic.Traffic(2 * n * hc * dim * 2 + 24 * hc * dim * 4 + 24 * 4 + 3 * 4,
+                                n * dim * 2 + 4 * n * (hc + hc * hc), 1)
+    rows = torch.empty(8, 2048, dtype=torch.long, device="meta")
+    keys = torch.empty(10_000, 128, dtype=torch.bfloat16, device="meta")
+    q, w = torch.empty(8, 64, 128, dtype=torch.bfloat16), torch.empty(8, 64)
+    t = traffic.declared("sgl_kernel_ext::indexer_scores", (q, w, keys, rows, 0.1), {})
+    listed = 8 * 2048 * 128 * 2  # every listed row once per query, not the pool
+    assert t == traffic.Traffic(8 * 64 * 128 * 2 + 8 * 64 * 4 + 8 * 2048 * 8 + listed, 8 * 2048 * 4, 1,
+                                ((2, listed),))
+    idx_a = torch.empty(8, 128, dtype=torch.long)
+    t = traffic.declared("sgl_kernel_ext::tree_sparse_attention",
+                         (torch.empty(8, 16, 512, dtype=torch.bfloat16), keys.new_empty(10_000, 512), idx_a, None,
+                          None, torch.empty(16), 0.1), {})
+    assert t.partial == ((1, 8 * 128 * 512 * 2),) and t.written == 8 * 16 * 512 * 2 and t.launches == 1
+    x = torch.empty(4, 4096, dtype=torch.bfloat16)
+    assert traffic.declared("sgl_kernel_ext::rms_norm", (x, torch.empty(4096, dtype=torch.bfloat16), 1e-6), {}) \
+        == traffic.Traffic(4 * 4096 * 2 + 4096 * 2, 4 * 4096 * 2, 1)
+
+
+def test_autograd_runs_the_reference():
+    streams, fn, base, scale = hc_case(3, 2, 16, torch.float32)
+    fn.requires_grad_(True)
+    col, post, comb = hc_pre(streams, fn, base, scale, 5, 1e-6, 1e-6)
+    (col.sum() + post.sum() + comb.sum()).backward()
+    assert fn.grad is not None and torch.isfinite(fn.grad).all()
+    w = torch.ones(16, requires_grad=True)
+    rms_norm(torch.randn(3, 16), w, 1e-6).sum().backward()
+    assert w.grad is not None
+
+
+def test_indexer_reference_reads_only_listed_rows():
+    q, w, keys, rows = indexer_case(5, 8, 32, 200, 37, torch.float32)
+    want = indexer_scores_ref(q, w, keys, rows, 32 ** -0.5)
+    assert torch.equal(indexer_scores_ref(q, w, poisoned(keys, rows), rows, 32 ** -0.5), want)
+    assert torch.equal(torch.isinf(want), rows < 0)
+
+
+def test_indexer_reference_matches_the_plain_formula():
+    q, w, keys, rows = indexer_case(3, 4, 16, 50, 20, torch.float32, seed=3)
+    k = keys[rows.clamp(min=0)]
+    plain = (torch.relu(torch.einsum("nhd,ned->nhe", q, k)) * 0.25 * w[..., None]).sum(1)
+    plain = plain.masked_fill(rows < 0, float("-inf"))
+    assert torch.allclose(indexer_scores_ref(q, w, keys, rows, 0.25), plain, atol=1e-5)
+
+
+# ---- the Triton kernels under the interpreter -------------------------------------------------------------------
+
+if not INTERPRETED:
+
+    def test_triton_kernels_under_interpreter():
+        """Re-run this file's kernel tests with TRITON_INTERPRET=1 in a child pytest."""
+        repo_root = Path(__file__).resolve().parent.parent
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
+             "-k", "kernel_interpreted"],
+            cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+else:
+
+    @pytest.mark.parametrize("n,hc,dim,dtype", [(5, 4, 64, torch.bfloat16), (3, 2, 48, torch.float32),
+                                                (11, 4, 40, torch.bfloat16), (1, 3, 24, torch.float32)])
+    def test_kernel_interpreted_hc_pre(n, hc, dim, dtype):
+        streams, fn, base, scale = hc_case(n, hc, dim, dtype, seed=n)
+        want = hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, backend="triton")
+        assert_close_ulps(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("n,hc,dim,dtype", [(5, 4, 64, torch.bfloat16), (3, 3, 48, torch.float32),
+                                                (2, 4, 1500, torch.bfloat16)])
+    def test_kernel_interpreted_hc_post(n, hc, dim, dtype):
+        streams, fn, base, scale = hc_case(n, hc, dim, dtype, seed=n)
+        _, post, comb = hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        out = torch.randn(n, dim, generator=_gen(9)).to(dtype)
+        assert_close_ulps(hc_post(out, streams, post, comb, backend="triton"), hc_post_ref(out, streams, post, comb))
+
+    @pytest.mark.parametrize("shape,dtype,wdtype", [((5, 64), torch.bfloat16, torch.bfloat16),
+                                                    ((3, 4, 48), torch.float32, None),
+                                                    ((7, 100), torch.bfloat16, torch.float32)])
+    def test_kernel_interpreted_rms_norm(shape, dtype, wdtype):
+        g = _gen(1)
+        x = torch.randn(shape, generator=g).to(dtype)
+        weight = None if wdtype is None else torch.randn(shape[-1], generator=g).to(wdtype)
+        got, want = rms_norm(x, weight, 1e-6, backend="triton"), rms_norm_ref(x, weight, 1e-6)
+        if weight is None or weight.dtype == x.dtype:
+            assert_close_ulps(got, want)
+        else:  # a flipped bf16 rounding of the normalised value, times the fp32 weight
+            assert_close_ulps(got.to(dtype), want.to(dtype))
+
+    @pytest.mark.parametrize("n,heads,dim,listed,dtype", [(3, 8, 32, 37, torch.bfloat16),
+                                                          (5, 64, 128, 70, torch.bfloat16),
+                                                          (2, 5, 24, 9, torch.float32)])
+    def test_kernel_interpreted_indexer_scores(n, heads, dim, listed, dtype):
+        q, w, keys, rows = indexer_case(n, heads, dim, 300, listed, dtype, seed=listed)
+        want = indexer_scores_ref(q, w, keys, rows, dim ** -0.5)
+        got = indexer_scores(q, w, poisoned(keys, rows), rows, dim ** -0.5, backend="triton")
+        assert torch.equal(torch.isinf(got), rows < 0)
+        finite = rows >= 0
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+    def test_kernel_interpreted_attention_reads_only_listed_rows():
+        g = _gen(4)
+        q = torch.randn(4, 3, 32, generator=g).to(torch.bfloat16)
+        kv_a, kv_b = torch.randn(60, 32, generator=g).to(torch.bfloat16), torch.randn(30, 32, generator=g)
+        kv_b = kv_b.to(torch.bfloat16)
+        idx_a, idx_b = torch.randint(-1, 60, (4, 10), generator=g), torch.randint(-1, 30, (4, 5), generator=g)
+        sink = torch.randn(3, generator=g).to(torch.bfloat16)
+        idx_a = torch.stack([torch.where(r >= 0, torch.randperm(60, generator=g)[:10], -1) for r in idx_a])
+        idx_b = torch.stack([torch.where(r >= 0, torch.randperm(30, generator=g)[:5], -1) for r in idx_b])
+        want = tree_sparse_attention_ref(q, kv_a, idx_a, kv_b, idx_b, sink, 0.2)
+        got = ops.tree_sparse_attention(q, poisoned(kv_a, idx_a), idx_a, poisoned(kv_b, idx_b), idx_b, sink, 0.2,
+                                        backend="triton")
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+    def test_kernel_interpreted_compress_reads_only_listed_rows():
+        g = _gen(5)
+        kv, score = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+        idx = torch.randint(-1, 40, (3, 8), generator=g)
+        col_off = torch.tensor([0] * 4 + [16] * 4)
+        ape, norm_w = torch.randn(8, 16, generator=g), torch.rand(16, generator=g) + 0.5
+        want = compress_entries_ref(kv, score, idx, col_off, ape, norm_w, 1e-6, None, None)
+        got = ops.compress_entries(poisoned(kv, idx), poisoned(score, idx), idx, col_off, ape, norm_w, 1e-6, None,
+                                   None, backend="triton")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
