@@ -67,6 +67,10 @@ class PolicyConfig:
     # Passes over the whole grid, each point keeping its fastest: contention lasts seconds, so passes seconds apart
     # mostly miss it where back-to-back repeats would share it.
     MEASURE_PASSES: int = 10
+    # On a GPU: a GPU's step times are steadier, and every shape costs a capture-free eager step of ~10^4 launches,
+    # so fewer passes and fewer shapes (the ends of S, powers of two in D; the model interpolates between them)
+    # keep startup under a minute (``measure.startup_plan``).
+    MEASURE_PASSES_GPU: int = 3
 
 
 DEFAULT = PolicyConfig()

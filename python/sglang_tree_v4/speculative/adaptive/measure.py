@@ -2,8 +2,9 @@
 
 At startup the worker times the real pieces of a decode round on private scratch state (its own small slot
 stores, never SGLang's pool; zeros cost the same as real state): the MTP draft (catch-up + ``build_draft_tree``
-over S steps, for each S) and the target's tree-verify forward (for each D of ``verify_widths``), at the batch
-sizes of ``MEASURE_BATCHES`` up to the largest. Every point is timed once per pass, in ``MEASURE_PASSES`` passes
+over S steps) and the target's tree-verify forward of D tokens per request, at the batch sizes of
+``MEASURE_BATCHES`` up to the largest, for the S and D of ``startup_plan`` (on a CPU every S and the D of
+``verify_widths``; on a GPU a few, interpolated between). Every point is timed once per pass, in the plan's passes
 over the whole grid, and keeps its fastest; then, per batch size, the times are made non-decreasing in D and in S
 (``monotone``): more verified tokens or draft steps never cost less, so a point above a larger one is noise. The
 choice among trees turns on a few percent, so both steps matter. The result is the model that
@@ -18,8 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,6 +34,8 @@ from ...tree import build_draft_tree
 from ..mtp_drafter import MTPTreeDrafter, catch_up
 from .config import DEFAULT, PolicyConfig
 from .timing import Curve, StepTimes
+
+logger = logging.getLogger(__name__)
 
 # Part of the cache key, raised with every change to the file's layout or to how it is measured, so that an older
 # file is measured again (3: verification per D over the batch size, in passes, non-decreasing in D and S).
@@ -56,27 +62,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class StartupPlan:
+    """What the startup measurement times: ``draft_steps`` x ``verify_widths`` at each of ``batches``, in ``passes``
+    passes (plus one untimed warm-up point); the draft time of an S not timed is interpolated in S, a D not timed
+    in D (``timing.StepTimes.verify_time``)."""
+
+    batches: tuple[int, ...]
+    draft_steps: tuple[int, ...]
+    verify_widths: tuple[int, ...]
+    passes: int
+
+    @property
+    def points(self) -> int:
+        return len(self.batches) * (len(self.draft_steps) + len(self.verify_widths))
+
+    def describe(self) -> str:
+        return (f"{self.points} shapes x {self.passes} passes: batch sizes {list(self.batches)}, draft steps "
+                f"{list(self.draft_steps)}, verified tokens {list(self.verify_widths)}")
+
+    def estimate(self, seconds: Callable[[str, int, int], float]) -> float:
+        """Seconds the measurement takes, given ``seconds(kind, batch, size)`` of one timed point (``kind`` draft
+        with S steps, or verify of D tokens per request)."""
+        one_pass = sum(seconds("draft", b, s) for b in self.batches for s in self.draft_steps)
+        one_pass += sum(seconds("verify", b, d) for b in self.batches for d in self.verify_widths)
+        warm_up = seconds("draft", self.batches[0], 1) + seconds("verify", self.batches[0], 1)
+        return warm_up + self.passes * one_pass
+
+
+def startup_plan(max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device,
+                 config: PolicyConfig = DEFAULT) -> StartupPlan:
+    """On a CPU every S and the D of ``verify_widths`` in ``MEASURE_PASSES`` passes; on a GPU the first, middle
+    and last S, D at powers of two and the largest, in ``MEASURE_PASSES_GPU`` passes."""
+    batches = tuple(sorted({b for b in config.MEASURE_BATCHES if b <= max_batch} | {max_batch}))
+    if torch.device(device).type != "cuda":
+        return StartupPlan(batches, tuple(range(1, max_steps + 1)), tuple(verify_widths(max_tokens)),
+                           config.MEASURE_PASSES)
+    steps = tuple(sorted({1, (max_steps + 1) // 2, max_steps}))
+    widths = tuple(sorted({d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= max_tokens} | {max_tokens}))
+    return StartupPlan(batches, steps, widths, config.MEASURE_PASSES_GPU)
+
+
 @torch.no_grad()
 def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device,
             config: PolicyConfig = DEFAULT) -> StepTimes:
-    """Time draft(S) and verify(D) on scratch stores at the batch sizes of ``MEASURE_BATCHES`` up to ``max_batch``
-    (and at ``max_batch``)."""
+    """Time draft(S) and verify(D) on scratch stores as ``startup_plan`` says, at the batch sizes of
+    ``MEASURE_BATCHES`` up to ``max_batch`` (and at ``max_batch``)."""
     cfg = model.cfg
     dtype = model.embed.weight.dtype
     context = config.MEASURE_CONTEXT
-    batches = sorted({b for b in config.MEASURE_BATCHES if b <= max_batch} | {max_batch})
+    plan = startup_plan(max_tokens, topk, max_steps, max_batch, device, config)
+    logger.info("TREE_V4 adaptive budget: timing %s", plan.describe())
+    batches = list(plan.batches)
     width = context + max_tokens
     slots = max(batches) * width
     store = model.new_store(slots, dtype, device)
     mtp_store = new_mtp_store(cfg, slots, dtype, device, max(batches) * draft_scratch_rows(topk, max_steps))
     streams = new_streams_store(cfg, slots, dtype, device)
     times = StepTimes(config=config)
-    verify_sizes = verify_widths(max_tokens)
     # One untimed pass first: lazy initialisation (allocator, kernels, caches) must not count as a step.
-    _time_batch(model, store, mtp_store, streams, batches[:1], width, context, max_tokens, topk, 1, [1], device,
+    _time_batch(model, store, mtp_store, streams, batches[:1], width, context, max_tokens, topk, 1, [1], [1], device,
                 StepTimes(config=config), passes=1)
-    _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, verify_sizes,
-                device, times, passes=config.MEASURE_PASSES)
+    _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps,
+                list(plan.draft_steps), list(plan.verify_widths), device, times, passes=plan.passes)
     return times
 
 
@@ -86,8 +134,8 @@ def verify_widths(max_tokens: int) -> list[int]:
     return sorted({*range(1, min(8, max_tokens) + 1), *range(8, max_tokens + 1, 4), max_tokens})
 
 
-def _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, verify_sizes,
-                device, times: StepTimes, passes: int) -> None:
+def _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, draft_steps,
+                verify_sizes, device, times: StepTimes, passes: int) -> None:
     fastest: dict[tuple, float] = {}
 
     def timed(key, run):  # -> what ``run`` returned; its time into ``fastest``
@@ -109,15 +157,16 @@ def _time_batch(model, store, mtp_store, streams, batches, width, context, max_t
                 drafter = MTPTreeDrafter(model, mtp_store, table, prefix, topk, max_steps)
                 return build_draft_tree(roots, prefix, drafter, s, topk, max_tokens, root_draft=root)
 
-            for s in range(1, max_steps + 1):
+            for s in draft_steps:  # the last (the most steps) leaves the tree the verify widths read
                 tree = timed(("draft", s, bs), lambda s=s: draft(s))
             for d in verify_sizes:
                 tokens = tree.tokens[:, :d] if d > 1 else roots[:, None]
                 timed(("verify", bs, d), lambda table=table, prefix=prefix, tokens=tokens, d=d:
                       verify_forward(model, store, table, prefix, tokens, d))
-    steps = list(range(1, max_steps + 1))
+    steps = list(range(1, max(draft_steps) + 1))
     for bs in batches:
-        for s, seconds in zip(steps, monotone([fastest[("draft", s, bs)] for s in steps]), strict=False):
+        in_steps = Curve({s: fastest[("draft", s, bs)] for s in draft_steps})  # S not timed: interpolated
+        for s, seconds in zip(steps, monotone([in_steps(s) for s in steps]), strict=True):
             times.draft.setdefault(s, Curve()).add(bs, seconds)
         verify_seconds = monotone([fastest[("verify", bs, d)] for d in verify_sizes])
         for d, seconds in zip(verify_sizes, verify_seconds, strict=True):
