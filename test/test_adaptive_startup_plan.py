@@ -1,5 +1,5 @@
 """The adaptive budget's startup measurement plan: the full grid on a CPU, a small one on a GPU (under a minute),
-draft times of the S not timed interpolated, and the planning CLI's estimate (``adaptive.plan``)."""
+draft times of the S not timed interpolated, and the planning CLI's estimate (``step_cost.startup_plan``)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import torch
 
 from sglang_tree_v4.speculative.adaptive import measure
 from sglang_tree_v4.speculative.adaptive.config import DEFAULT
-from sglang_tree_v4.speculative.adaptive.plan import measured_seconds
 from sglang_tree_v4.speculative.adaptive.timing import StepTimes
+from sglang_tree_v4.step_cost.startup_plan import measured_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_draft_times_of_untimed_steps_are_interpolated(target_model, monkeypatch
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sglang_tree_v4.speculative.adaptive.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "sglang_tree_v4.step_cost.startup_plan", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -1,6 +1,6 @@
 """The adaptive budget's startup measurement, planned and estimated without running it:
 
-    python -m sglang_tree_v4.speculative.adaptive.plan CONFIG [--tp N] [--device cuda|cpu]
+    python -m sglang_tree_v4.step_cost.startup_plan CONFIG [--tp N] [--device cuda|cpu]
         [--speculative-num-draft-tokens D --speculative-eagle-topk K --speculative-num-steps S]
         [--max-running-requests B] [--context L] [--gpu-check FILE]
 
@@ -26,9 +26,9 @@ import sys
 
 import torch
 
-from .config import DEFAULT
-from .measure import startup_plan
-from .timing import Curve
+from ..speculative.adaptive.config import DEFAULT
+from ..speculative.adaptive.measure import startup_plan
+from ..speculative.adaptive.timing import Curve
 
 BYTES_PER_S = 4.8e12  # an H200's memory bandwidth
 LAUNCH_S = 5e-6  # host time of one eagerly launched op
@@ -37,9 +37,9 @@ LAUNCH_S = 5e-6  # host time of one eagerly launched op
 def counted_seconds(config_path: str, tp: int, context: int, max_tokens: int, topk: int, max_steps: int,
                     batches: tuple[int, ...]):
     """``seconds(kind, batch, size)`` from bytes and launches counted on meta at the corner shapes."""
-    from ...step_cost.__main__ import build
-    from ...step_cost.counter import StepCounter
-    from ...step_cost.round import run_round
+    from .__main__ import build
+    from .counter import StepCounter
+    from .round import run_round
 
     model = build(config_path, tp, 0)
     weights = list(model.parameters()) + list(model.buffers())
