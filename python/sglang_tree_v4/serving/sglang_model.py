@@ -41,6 +41,7 @@ from ..dsv4.storage import (
     paged_layouts,
     streams_layouts,
 )
+from . import verify_graphs
 from .sglang_pool import entry_ratios, window_layer_widths
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         # The head is vocabulary-parallel: SGLang's logits processor gathers the ranks' parts.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=self.model.tp_rank_size[1] == 1)
         self.last_streams: torch.Tensor | None = None
+        self.verify_graphs: verify_graphs.VerifyGraphs | None = None
         self._stores: tuple[SlotStore, SlotStore | None, SlotStore] | None = None
 
     # --- storage over SGLang's KV pool ---------------------------------------------------------------------
@@ -204,18 +206,23 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, **kwargs):
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
-        store, _, streams = self.stores()
+        store = self.stores()[0]
         mode = forward_batch.forward_mode
         bs = forward_batch.batch_size
-        req_table = get_req_to_token_pool().req_to_token[forward_batch.req_pool_indices].long()
+        req_to_token = get_req_to_token_pool().req_to_token
         out_slots = forward_batch.out_cache_loc.long()
         positions = positions.long()
         device = positions.device
         if mode.is_target_verify():
             n = forward_batch.spec_info.draft_token_num
+            caps = verify_caps(forward_batch.seq_lens, n, req_to_token.shape[1], forward_batch.seq_lens_cpu)
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # SGLang's own capture
+            if caps is not None and verify_graphs.enabled(device) and not capturing:
+                return self._graph_verify(input_ids, positions, forward_batch, n, caps)
+        req_table = req_to_token[forward_batch.req_pool_indices].long()
+        if mode.is_target_verify():
             table, entry_out = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask,
                                             out_slots, n)
-            caps = verify_caps(forward_batch.seq_lens, n, req_table.shape[1], forward_batch.seq_lens_cpu)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))
@@ -225,10 +232,53 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
         batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps, entry_out)
         out = self.model(batch, store, logits_rows=no_rows).streams
+        return self._logits(input_ids, out_slots, out, forward_batch)
+
+    def _logits(self, input_ids: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, forward_batch):
+        streams = self.stores()[2]
         streams.write(0, "h", streams.ring_write_slots(out_slots), out.flatten(1))
         self.last_streams = out
         final = self.model.norm(self.model.hc_head(out))
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)
+
+    def _graph_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, n: int, caps: StepCaps):
+        """The verify forward as a replayed graph of its (batch bucket, D, context bucket) (``verify_graphs``)."""
+        bs = forward_batch.batch_size
+        padded = verify_graphs.batch_bucket(bs)
+        if padded * n > self._scratch_capacity():
+            padded = bs  # the tree scratch has no rows for the padding's entries
+        pad = verify_graphs.pad_rows
+        inputs = {"input_ids": pad(input_ids.long(), bs, padded, n), "positions": pad(positions.long(), bs, padded, n),
+                  "out_slots": pad(forward_batch.out_cache_loc.long(), bs, padded, n),
+                  "req_pool_indices": pad(forward_batch.req_pool_indices.long(), bs, padded),
+                  "seq_lens": pad(forward_batch.seq_lens.long(), bs, padded),
+                  "mask": pad(forward_batch.spec_info.custom_mask, bs, padded, n * n)}
+        if self.verify_graphs is None:
+            self.verify_graphs = verify_graphs.VerifyGraphs(self._verify_streams,
+                                                            verify_graphs.capture_for(input_ids.device))
+        out = self.verify_graphs.run((padded, n, caps.max_context), inputs)[: bs * n].clone()
+        return self._logits(input_ids, forward_batch.out_cache_loc.long(), out, forward_batch)
+
+    def _verify_streams(self, static: dict[str, torch.Tensor], key: tuple[int, int, int]) -> torch.Tensor:
+        """What a verify graph captures: the slot tables (the request table cut to the bucket's columns) and the
+        model's forward over the target store, from the static inputs alone."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool
+
+        _, n, capacity = key
+        req_to_token = get_req_to_token_pool().req_to_token
+        req_table = req_to_token[static["req_pool_indices"], :capacity].long()
+        out_slots = static["out_slots"]
+        table, entry_out = verify_table(req_table, static["seq_lens"], static["mask"], out_slots, n)
+        batch = SlotBatch(static["input_ids"], static["positions"], out_slots, table, StepCaps(capacity, n), entry_out)
+        no_rows = torch.empty(0, dtype=torch.long, device=out_slots.device)
+        return self.model(batch, self.stores()[0], logits_rows=no_rows).streams
+
+    def _scratch_capacity(self) -> int:
+        """Tree-scratch entry rows of the target store (the fewest over its compressed layers)."""
+        store = self.stores()[0]
+        rows = [buf.shape[0] - base for buf, base, r in zip(store.token_buffers, store.scratch_base,
+                                                            entry_ratios(self.cfg), strict=False) if r > 1]
+        return min(rows, default=1 << 30)
 
     def commit_tree_entries(self, accept_index: torch.Tensor, req_table: torch.Tensor, committed: torch.Tensor,
                             draft_tokens: int) -> None:
