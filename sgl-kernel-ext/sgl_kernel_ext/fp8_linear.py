@@ -124,4 +124,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """``x W^T`` for a block-scaled FP8 ``W`` (see the module doc for the contract)."""
     off_r, off_c = int(offsets[0]), int(offsets[1])
     _check(x, weight, scale, off_r, off_c)
+    if x.device.type == "cpu" and _backend(backend, x) == "torch":  # no op dispatch for the CPU's reference
+        return fp8_block_matmul(x, weight, scale, (off_r, off_c))
     return torch.ops.sgl_kernel_ext.fp8_block_linear(x, weight, scale, off_r, off_c, backend)

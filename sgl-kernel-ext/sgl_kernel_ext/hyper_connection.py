@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import traffic
-from .ops import _backend, needs_grad
+from .ops import _backend, plain_reference
 
 
 def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -131,7 +131,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
            norm_eps: float, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(collapsed, post, comb) of the streams (see the module doc)."""
     _check_pre(streams, fn, base, scale)
-    if needs_grad(streams, fn, base, scale):
+    if plain_reference(backend, streams, fn, base, scale):
         return hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps)
     return torch.ops.sgl_kernel_ext.hc_pre(streams, fn, base, scale, int(iters), float(eps), float(norm_eps),
                                            backend)
@@ -144,6 +144,6 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     if out.shape != (n, dim) or post.shape != (n, hc) or comb.shape != (n, hc, hc):
         raise ValueError(f"hc_post: out [{n}, {dim}], post [{n}, {hc}], comb [{n}, {hc}, {hc}] expected, got "
                          f"{tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
-    if needs_grad(out, streams, post, comb):
+    if plain_reference(backend, streams, out, post, comb):
         return hc_post_ref(out, streams, post, comb)
     return torch.ops.sgl_kernel_ext.hc_post(out, streams, post, comb, backend)

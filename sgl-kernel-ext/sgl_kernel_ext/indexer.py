@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import traffic
-from .ops import _backend, needs_grad
+from .ops import _backend, plain_reference
 
 REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's [N, H + d, chunk] fp32 temporaries: 64 MiB
 
@@ -73,6 +73,6 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: t
         raise ValueError(f"keys must be [S, {q.shape[2]}], got {tuple(keys.shape)}")
     if rows.dim() != 2 or rows.shape[0] != q.shape[0] or rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be [{q.shape[0]}, E] int32/int64, got {tuple(rows.shape)} {rows.dtype}")
-    if needs_grad(q, w, keys):
+    if plain_reference(backend, q, w, keys):
         return indexer_scores_ref(q, w, keys, rows, scale)
     return torch.ops.sgl_kernel_ext.indexer_scores(q, w, keys, rows, float(scale), backend)

@@ -58,6 +58,13 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def plain_reference(backend: str | None, tensor: torch.Tensor, *grad_tensors: torch.Tensor | None) -> bool:
+    """Whether a call runs its torch reference directly, not through the custom op: under autograd, and on the CPU
+    with the torch backend (where the op's dispatch costs more than a small op's work). The custom ops remain for
+    CUDA (kernels, capture) and the meta device (their fakes and traffic declarations)."""
+    return needs_grad(tensor, *grad_tensors) or (tensor.device.type == "cpu" and _backend(backend, tensor) == "torch")
+
+
 def _check_index(name: str, idx: torch.Tensor, n_rows: int) -> None:
     if idx.dim() != 2 or idx.shape[0] != n_rows:
         raise ValueError(f"{name} must be [{n_rows}, T], got {tuple(idx.shape)}")
@@ -99,7 +106,7 @@ def tree_sparse_attention(
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError("out must match q in shape and dtype")
 
-    if needs_grad(q, kv_a, kv_b, sink):
+    if plain_reference(backend, q, kv_a, kv_b, sink):
         return reference.tree_sparse_attention_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale, out=out)
     result = torch.ops.sgl_kernel_ext.tree_sparse_attention(q, kv_a, idx_a, kv_b, idx_b, sink, float(scale),
                                                             backend, num_splits)
@@ -170,7 +177,7 @@ def compress_entries(
     if out is not None and (out.shape != (n_entries, width) or out.dtype != (out_dtype or kv_store.dtype)):
         raise ValueError("out has the wrong shape or dtype")
 
-    if needs_grad(kv_store, score_store, ape, norm_w):
+    if plain_reference(backend, kv_store, score_store, ape, norm_w):
         return reference.compress_entries_ref(kv_store, score_store, idx, col_off, ape, norm_w, eps, cos, sin,
                                               out_dtype=out_dtype, out=out)
     result = torch.ops.sgl_kernel_ext.compress_entries(kv_store, score_store, idx, col_off, ape, norm_w, float(eps),

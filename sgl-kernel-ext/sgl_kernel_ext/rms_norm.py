@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from . import traffic
-from .ops import _backend, needs_grad
+from .ops import _backend, plain_reference
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -57,6 +57,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, backen
     """RMS-normalise the last dimension of x (see the module doc)."""
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
-    if needs_grad(x, weight):
+    if plain_reference(backend, x, weight):
         return rms_norm_ref(x, weight, eps)
     return torch.ops.sgl_kernel_ext.rms_norm(x, weight, float(eps), backend)

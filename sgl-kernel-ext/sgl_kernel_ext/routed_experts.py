@@ -211,5 +211,7 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, fi
     tensors, the torch reference elsewhere; "triton" also on CPU tensors under ``TRITON_INTERPRET=1``)."""
     _check(x, idx, weights, fmt, w1, w3, w2, s1, s3, s2)
     choice = "torch" if _backend(backend, x) == "torch" else "triton"
+    if choice == "torch" and x.device.type == "cpu":  # the op's dispatch would cost more than a small call's work
+        return routed_experts_ref(x, idx, weights, first, fmt, w1, w3, w2, s1, s3, s2, limit)
     return torch.ops.sgl_kernel_ext.routed_experts(x, idx, weights, int(first), fmt, w1, w3, w2, s1, s3, s2,
                                                    float(limit), choice)
