@@ -1,5 +1,5 @@
-"""The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, the indexer's scores, and the
-tree attention and entry compression kernels registered as ops.
+"""The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, RoPE, the indexer's scores, and
+the tree attention and entry compression kernels registered as ops.
 
 * each Triton kernel, run by Triton's CPU interpreter in a child pytest (as in ``test_kernel_fp8_linear``), against
   its torch reference at two shapes or more, padded ones included (sizes that are not powers of two, -1 padding in
@@ -23,6 +23,7 @@ from sgl_kernel_ext.hyper_connection import hc_post, hc_post_ref, hc_pre, hc_pre
 from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
 from sgl_kernel_ext.reference import compress_entries_ref, tree_sparse_attention_ref
 from sgl_kernel_ext.rms_norm import rms_norm, rms_norm_ref
+from sgl_kernel_ext.rope import rope_rotate, rope_rotate_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ULP = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-22}
@@ -125,6 +126,19 @@ def test_declared_traffic_is_the_hand_count():
         == traffic.Traffic(4 * 4096 * 2 + 4096 * 2, 4 * 4096 * 2, 1)
 
 
+def test_rope_reference_rotates_back_and_keeps_the_unrotated_channels():
+    g = _gen(2)
+    x = torch.randn(4, 3, 40, generator=g, dtype=torch.float64)
+    ang = torch.rand(4, 8, generator=g, dtype=torch.float64) * 6
+    y = rope_rotate_ref(x, ang.cos(), ang.sin())
+    assert torch.equal(y[..., :24], x[..., :24]) and not torch.allclose(y[..., 24:], x[..., 24:])
+    torch.testing.assert_close(rope_rotate_ref(y, ang.cos(), ang.sin(), inverse=True), x, rtol=1e-5, atol=1e-5)
+    assert traffic.declared("sgl_kernel_ext::rope_rotate", (x, ang.cos(), ang.sin(), False), {}) == \
+        traffic.Traffic(x.numel() * 8 + 2 * 32 * 8, x.numel() * 8, 1)
+    meta = rope_rotate(x.to("meta"), ang.cos().to("meta"), ang.sin().to("meta"))
+    assert meta.shape == x.shape and meta.device.type == "meta"
+
+
 def test_autograd_runs_the_reference():
     streams, fn, base, scale = hc_case(3, 2, 16, torch.float32)
     fn.requires_grad_(True)
@@ -199,6 +213,16 @@ else:
             assert_close_ulps(got, want)
         else:  # a flipped bf16 rounding of the normalised value, times the fp32 weight
             assert_close_ulps(got.to(dtype), want.to(dtype))
+
+    @pytest.mark.parametrize("t,h,d,r,dtype,inverse", [(5, 4, 64, 8, torch.bfloat16, False),
+                                                       (3, 1, 48, 16, torch.float32, True),
+                                                       (7, 20, 100, 32, torch.bfloat16, True)])
+    def test_kernel_interpreted_rope(t, h, d, r, dtype, inverse):
+        g = _gen(t)
+        x = torch.randn(t, h, d + 6, generator=g)[..., 3:3 + d].to(dtype)  # a strided view
+        ang = torch.rand(t, r, generator=g) * 6
+        got = rope_rotate(x, ang.cos(), ang.sin(), inverse, backend="triton")
+        assert_close_ulps(got, rope_rotate_ref(x, ang.cos(), ang.sin(), inverse), ulps=1.0)
 
     @pytest.mark.parametrize("n,heads,dim,listed,dtype", [(3, 8, 32, 37, torch.bfloat16),
                                                           (5, 64, 128, 70, torch.bfloat16),

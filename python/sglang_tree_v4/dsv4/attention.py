@@ -85,14 +85,16 @@ class Attention(nn.Module):
             if self.indexer is not None:  # CSA: only the selected entries' slots are looked up
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
                 ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1)
-            else:  # HCA: every visible entry (one per 128 positions)
-                ent_slots = fb.memo(("entries", r), lambda: _entry_slots(fb, r))
-            ent_store, ent_slots = store.readable(layer, "entry", store.index(layer, "entry", ent_slots), q.dtype)
+                ent_rows = store.index(layer, "entry", ent_slots)
+            else:  # HCA: every visible entry (one per 128 positions); the same rows in every HCA layer
+                ent_rows = fb.memo(("entry_rows", r, store.scratch_base[layer]),
+                                   lambda: store.index(layer, "entry", _entry_slots(fb, r)))
+            ent_store, ent_slots = store.readable(layer, "entry", ent_rows, q.dtype)
         # One softmax with the sink over window keys and entries: the kernel on a GPU, its torch reference here.
         k_store, k_rows = store.readable(layer, "k", win_rows, q.dtype)  # fp8 keys: the rows read, decoded
         o = ops.tree_sparse_attention(q, k_store, k_rows, ent_store, ent_slots,
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
-        o = rope.rotate(o, cos[:, None], -sin[:, None])
+        o = rope.rotate(o, cos[:, None], sin[:, None], inverse=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(n, self.o_groups, H * hd // self.o_groups)))
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:

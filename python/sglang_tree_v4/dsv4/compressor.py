@@ -164,8 +164,10 @@ class Indexer(nn.Module):
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
             cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
-            slots = torch.where(cand < n_vis[:, None], fb.table.lookup(cand * 4 + 3, entries=True), -1)
-            keys, rows = store.readable(layer, "ientry", store.index(layer, "ientry", slots), q.dtype)
+            # The candidates' rows are the same in every CSA layer of the forward (one layout): looked up once.
+            rows = fb.memo(("index_rows", e0, step, store.scratch_base[layer]), lambda cand=cand: store.index(
+                layer, "ientry", torch.where(cand < n_vis[:, None], fb.table.lookup(cand * 4 + 3, entries=True), -1)))
+            keys, rows = store.readable(layer, "ientry", rows, q.dtype)
             score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5)
             if best_score is None:
                 best_score, best_idx = score, cand

@@ -7,13 +7,15 @@ compressed entries and the indexer's q and keys). V4's reference never scales co
 YaRN ``attention_factor`` (transformers multiplies both cos and sin by it, in every use), and then so does ``Rope``.
 
 Because V = K carries the key's rotation, the attention output's rope slice is rotated back by the query position
-(``rotate(x, -position)``) before the output projection.
+(``rotate(x, cos, sin, inverse=True)``) before the output projection.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from sgl_kernel_ext.rope import rope_rotate
 
 from .config import DSV4Config
 
@@ -55,15 +57,13 @@ class Rope:
             return ang.cos(), ang.sin()
         return ang.cos() * self.scale, ang.sin() * self.scale
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate the trailing ``rope_dim`` channels of ``x [..., H?, D]``; cos/sin are ``[..., rope_dim/2]`` and
-        broadcast over any head axis the caller inserts (pass them already unsqueezed)."""
-        rd = self.rope_dim
-        nope, rope = x[..., :-rd], x[..., -rd:].float()  # rotate in fp32, return in x's dtype
-        even, odd = rope[..., 0::2], rope[..., 1::2]
-        r_even = even * cos - odd * sin
-        r_odd = odd * cos + even * sin
-        return torch.cat([nope, torch.stack([r_even, r_odd], dim=-1).flatten(-2).to(x.dtype)], dim=-1)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the trailing ``rope_dim`` channels of ``x`` (``[T, D]``, or ``[T, H, D]`` with cos/sin unsqueezed
+        to ``[T, 1, rope_dim/2]``) in fp32, returned in x's dtype: ``sgl_kernel_ext.rope``'s op (one kernel on a
+        GPU). ``inverse``: the rotation back (by ``-sin``)."""
+        if x.dim() == 3:
+            return rope_rotate(x, cos[:, 0], sin[:, 0], inverse)
+        return rope_rotate(x[:, None], cos, sin, inverse)[:, 0]
 
 
 def ropes_for(cfg: DSV4Config) -> dict[str, Rope]:
