@@ -12,8 +12,8 @@ worktree (``python/`` and ``sgl-kernel-ext/``), which wins over the editable ins
 requests and tokenizes prompts itself, so it may run from either tree. Before any server starts, a process given a
 server's environment must import both packages from that server's worktree.
 
-    git worktree add /tmp/ab/before <commit>; git worktree add /tmp/ab/after <commit>
-    python benchmark/cpu_serving_ab.py --before /tmp/ab/before --after /tmp/ab/after [--rounds 3]
+    git worktree add ../before <commit>; git worktree add ../after <commit>
+    python benchmark/cpu_serving_ab.py --before ../before --after ../after [--rounds 3]
         [--models embedded published] [--out benchmark/results/cpu_serving_ab.jsonl]
 
 Per (model, round, variant): start a server (TREE_V4, D=8, K=3, S=4, ``--device cpu``), wait until healthy, warm it
