@@ -1,5 +1,5 @@
-"""The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, RoPE, the indexer's scores, and
-the tree attention and entry compression kernels registered as ops.
+"""The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, RoPE, the indexer's scores, the
+HCA folds, and the tree attention and entry compression kernels registered as ops.
 
 * each Triton kernel, run by Triton's CPU interpreter in a child pytest (as in ``test_kernel_fp8_linear``), against
   its torch reference at two shapes or more, padded ones included (sizes that are not powers of two, -1 padding in
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sgl_kernel_ext import ops, traffic
+from sgl_kernel_ext.hca_fold import hca_fold, hca_fold_ref
 from sgl_kernel_ext.hyper_connection import hc_post, hc_post_ref, hc_pre, hc_pre_ref
 from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
 from sgl_kernel_ext.reference import compress_entries_ref, tree_sparse_attention_ref
@@ -139,6 +140,37 @@ def test_rope_reference_rotates_back_and_keeps_the_unrotated_channels():
     assert meta.shape == x.shape and meta.device.type == "meta"
 
 
+def fold_case(n: int, d: int, seed: int = 0):
+    """Chains of up to 3 queries (predecessor = the previous query), block starts every 5th, the rest from stored
+    states."""
+    g = _gen(seed)
+    start = torch.tensor([i % 5 == 0 for i in range(n)])
+    hit = torch.tensor([i % 3 != 0 for i in range(n)])
+    query = torch.tensor([max(i - 1, 0) for i in range(n)])
+    return (torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), start, hit, query,
+            torch.randn(n, 2 * d, generator=g))
+
+
+def test_hca_fold_sweeps_give_the_one_by_one_folds():
+    v, s, start, hit, query, stored = fold_case(11, 6)
+    o, lse = [], []
+    for i in range(11):  # in order: a predecessor is always folded first
+        po, pl = (o[query[i]], lse[query[i]]) if hit[i] else (stored[i, :6], stored[i, 6:])
+        nl = torch.logaddexp(pl, s[i])
+        no = po * torch.exp(pl - nl) + v[i] * torch.exp(s[i] - nl)
+        o.append(v[i] if start[i] else no)
+        lse.append(s[i] if start[i] else nl)
+    want = torch.cat([torch.stack(o), torch.stack(lse)], 1)
+    # chains of 3: 3 sweeps settle (up to the last bit of exp on the CPU's vector and scalar paths); 2 do not
+    torch.testing.assert_close(hca_fold_ref(v, s, start, hit, query, stored, 3), want, rtol=1e-6, atol=1e-6)
+    assert (hca_fold_ref(v, s, start, hit, query, stored, 2) - want).abs().max() > 1e-2
+    t = traffic.declared("sgl_kernel_ext::hca_fold", (v, s, start, hit, query, stored, 3), {})
+    state = 11 * 12 * 4
+    assert t == traffic.Traffic(2 * 11 * 6 * 4 + 11 + 11 + 11 * 8 + state + 3 * state, state + 3 * state, 1)
+    meta = hca_fold(*(x.to("meta") for x in (v, s, start, hit, query, stored)), 3)
+    assert meta.shape == (11, 12)
+
+
 def test_autograd_runs_the_reference():
     streams, fn, base, scale = hc_case(3, 2, 16, torch.float32)
     fn.requires_grad_(True)
@@ -223,6 +255,12 @@ else:
         ang = torch.rand(t, r, generator=g) * 6
         got = rope_rotate(x, ang.cos(), ang.sin(), inverse, backend="triton")
         assert_close_ulps(got, rope_rotate_ref(x, ang.cos(), ang.sin(), inverse), ulps=1.0)
+
+    @pytest.mark.parametrize("n,d,sweeps", [(9, 16, 4), (12, 40, 6), (1, 8, 1), (7, 300, 3)])
+    def test_kernel_interpreted_hca_fold(n, d, sweeps):
+        args = fold_case(n, d, seed=n)
+        torch.testing.assert_close(hca_fold(*args, sweeps, backend="triton"), hca_fold_ref(*args, sweeps),
+                                   rtol=1e-5, atol=1e-5)
 
     @pytest.mark.parametrize("n,heads,dim,listed,dtype", [(3, 8, 32, 37, torch.bfloat16),
                                                           (5, 64, 128, 70, torch.bfloat16),

@@ -84,8 +84,10 @@ class Attention(nn.Module):
             r = self.ratio
             if self.indexer is not None:  # CSA: only the selected entries' slots are looked up
                 idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
-                ent_slots = torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1)
-                ent_rows = store.index(layer, "entry", ent_slots)
+                ent_rows = self.indexer.selected_rows(fb, store, layer, idx, ok)  # the scored candidates' rows
+                if ent_rows is None:  # scored in several chunks: looked up now
+                    ent_rows = store.index(layer, "entry",
+                                           torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1))
             else:  # HCA: every visible entry (one per 128 positions); the same rows in every HCA layer
                 ent_rows = fb.memo(("entry_rows", r, store.scratch_base[layer]),
                                    lambda: store.index(layer, "entry", _entry_slots(fb, r)))

@@ -164,9 +164,7 @@ class Indexer(nn.Module):
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
             cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
-            # The candidates' rows are the same in every CSA layer of the forward (one layout): looked up once.
-            rows = fb.memo(("index_rows", e0, step, store.scratch_base[layer]), lambda cand=cand: store.index(
-                layer, "ientry", torch.where(cand < n_vis[:, None], fb.table.lookup(cand * 4 + 3, entries=True), -1)))
+            rows = self.candidate_rows(fb, store, layer, e0, step, cand)
             keys, rows = store.readable(layer, "ientry", rows, q.dtype)
             score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5)
             if best_score is None:
@@ -179,6 +177,30 @@ class Indexer(nn.Module):
         if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
             return best_idx, best_idx < n_vis[:, None]
         return best_idx, best_score > float("-inf")
+
+    @staticmethod
+    def candidate_rows(fb: ForwardBatch, store: SlotStore, layer: int, e0: int, step: int,
+                       cand: torch.Tensor) -> torch.Tensor:
+        """Token rows of the entries ``cand`` (a chunk from entry ``e0``; ``-1`` past a query's visible count).
+        The same in every CSA layer of the forward (one layout; the index keys and the entries share a row): looked
+        up once."""
+        def look():
+            visible = cand < ((fb.positions + 1) // 4)[:, None]
+            return store.index(layer, "ientry", torch.where(visible, fb.table.lookup(cand * 4 + 3, entries=True), -1))
+
+        return fb.memo(("index_rows", e0, step, store.scratch_base[layer]), look)
+
+    def selected_rows(self, fb: ForwardBatch, store: SlotStore, layer: int, idx: torch.Tensor,
+                      ok: torch.Tensor) -> torch.Tensor | None:
+        """Token rows of the selected entries ``idx`` (``-1`` where not ``ok``), gathered from the candidates' rows
+        where one chunk held every candidate; None otherwise."""
+        emax = fb.entry_width(4)
+        step = self.chunk_entries(fb.positions.shape[0])
+        if emax == 0 or emax > step:
+            return None
+        cand = torch.arange(0, emax, device=idx.device).expand(fb.positions.shape[0], -1)
+        rows = self.candidate_rows(fb, store, layer, 0, step, cand)
+        return torch.where(ok, rows.gather(1, idx), -1)
 
     def chunk_entries(self, n_queries: int) -> int:
         """Entries scored at once: about ``INDEXER_CHUNK_ELEMENTS`` scores."""

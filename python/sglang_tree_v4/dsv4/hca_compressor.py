@@ -10,7 +10,8 @@ logits so far), folded one position at a time:
 
 Position ``p`` stores its state; position ``p + 1`` reads only that one, so the committed state a forward reads is
 one position back and lives in a few ring rows per page (``storage.RING_READ_BACK``). The closing position's ``o``,
-RMS-normalised and rotated at the block's first position, is the entry.
+RMS-normalised and rotated at the block's first position, is the entry. The fold itself is
+``sgl_kernel_ext.hca_fold``'s (one kernel on a GPU).
 
 Why a strict order of folds: the entry must be bit for bit the same whichever forward computed it -- a prefill
 chunk, a decode step, a draft-tree node on the accepted path -- or the tree's tokens could drift from the
@@ -26,21 +27,12 @@ import math
 
 import torch
 
+from sgl_kernel_ext.hca_fold import hca_fold
 from sgl_kernel_ext.reference import apply_interleaved_rope
 
 from .compressor import CompressorWeights
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore, find
-
-
-def fold(o: torch.Tensor, lse: torch.Tensor, v: torch.Tensor, s: torch.Tensor,
-         start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One position's row ``(v, s)`` folded into the state ``(o, lse)`` of the previous position; where ``start``
-    (the block's first position) the row alone."""
-    new_lse = torch.logaddexp(lse, s)
-    new_o = o * torch.exp(lse - new_lse) + v * torch.exp(s - new_lse)
-    first = start[:, None]
-    return torch.where(first, v, new_o), torch.where(first, s, new_lse)
 
 
 class HcaCompressor(CompressorWeights):
@@ -62,16 +54,13 @@ class HcaCompressor(CompressorWeights):
         stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
         n = p.shape[0]
         v, s, start, hit, query, stored = _whole_vectors((v, s, start, hit, query, stored), d)
-        stored_o, stored_lse = stored[:, :d], stored[:, d:]
-        o, lse = v, s
-        for _ in range(fb.memo(("hca_iterations", r), lambda: iterations(fb, r))):
-            o, lse = fold(torch.where(hit[:, None], o[query], stored_o),
-                          torch.where(hit[:, None], lse[query], stored_lse), v, s, start)
-        o, lse = o[:n], lse[:n]
+        sweeps = fb.memo(("hca_iterations", r), lambda: iterations(fb, r))
+        states = hca_fold(v, s, start, hit, query, stored, sweeps)[:n]  # [o | lse]: the folds, one kernel on a GPU
+        o = states[:, :d]
         slots = fb.out_slots
         if store.in_ring(layer, state):
             slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
-        store.write(layer, state, slots, torch.cat([o, lse], dim=1))
+        store.write(layer, state, slots, states)
 
         closes = (p + 1) % r == 0
         if fb.caps is None:  # eager: only the block-closing queries
