@@ -59,8 +59,12 @@ class DSV4Model(nn.Module):
     def forward(self, fb: ForwardBatch, store: SlotStore, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """``logits_rows``: optional indices of the queries whose logits are wanted (default: all)."""
         h = self.embed(fb.input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for i, blk in enumerate(self.layers):
-            h = blk(h, fb, store, i, self.rope_of(blk.ratio))
+        store.forward_memo = fb.memo_  # slot rows once per forward (``SlotStore._rows``)
+        try:
+            for i, blk in enumerate(self.layers):
+                h = blk(h, fb, store, i, self.rope_of(blk.ratio))
+        finally:
+            store.forward_memo = None
         hs = h if logits_rows is None else h[logits_rows]
         return ModelOutput(self.head(self.norm(self.hc_head(hs))), h)
 

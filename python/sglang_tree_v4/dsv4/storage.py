@@ -225,6 +225,7 @@ class SlotStore:
         self.ring_buffers = list(ring_buffers)
         self.window_index = window_index
         self.window_scratch_rows = window_scratch_rows
+        self.forward_memo: dict | None = None  # set by a forward for its duration (``_rows``)
         self.window_scratch_base = buffers[0].shape[0] - window_scratch_rows if buffers else 0
         self.entry_ratios = entry_ratios
         # First scratch row of each token layer (its committed rows: one per block of the slot range).
@@ -254,6 +255,19 @@ class SlotStore:
         return layouts[layer].codecs.get(piece)
 
     def _rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
+        """Rows of ``slots`` in the buffers of ``kind``; within a forward (``forward_memo``, the forward's
+        ``ForwardBatch.memo_``) computed once per slot tensor and layout, not once per layer and piece."""
+        memo = self.forward_memo
+        if memo is None:
+            return self._compute_rows(layer, slots, kind)
+        key = ("rows", kind, self._ratio(layer) if kind == "token" else 0,
+               self.scratch_base[layer] if kind == "token" else 0, id(slots))
+        hit = memo.get(key)
+        if hit is None or hit[0] is not slots:  # the memo holds ``slots``: its id is not reused meanwhile
+            hit = memo[key] = (slots, self._compute_rows(layer, slots, kind))
+        return hit[1]
+
+    def _compute_rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "token":
             return self._token_rows(layer, slots)
         rows = self._window_rows(slots)
