@@ -71,11 +71,12 @@ class Compressor(CompressorWeights):
         closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
         if closers.numel() == 0:
             return
-        p = fb.positions[closers]
-        # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves
-        col_off = torch.arange(2 * r, device=p.device).ge(r).long() * d  # no host-to-device copy
+        # slots 0..r-1: previous block's Ca halves; r..2r-1: own block's Cb halves; RoPE at the entry's first
+        # position. The same in every layer of the forward: computed once.
+        col_off, cos, sin = fb.memo(("closer_consts", r, span, d, id(rope)), lambda: (
+            torch.arange(2 * r, device=closers.device).ge(r).long() * d,  # no host-to-device copy
+            *rope.cos_sin(((fb.positions[closers] + 1) // r - 1) * r)))
         ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
-        cos, sin = rope.cos_sin(((p + 1) // r - 1) * r)  # RoPE at the entry's first position
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
         if store.in_ring(layer, kv):
             kv_src, score_src, rows = _own_or_stored(fb, store, layer, (kv, score), slots, own, span)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from sgl_kernel_ext.hca_fold import hca_fold
-from sgl_kernel_ext.reference import apply_interleaved_rope
+from sgl_kernel_ext.rms_norm import rms_norm
 
 from .compressor import CompressorWeights
 from .rope import Rope
@@ -70,9 +70,10 @@ class HcaCompressor(CompressorWeights):
             o, p = o[closers], p[closers]
         m = o.shape[0]  # the [rows, 1] rsqrt and the RoPE's cos/sin of p must run whole vectors too
         o, p = _whole_vectors((o, p), 1)
-        y = o * torch.rsqrt(o.pow(2).mean(dim=1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
-        cos, sin = rope.cos_sin(p + 1 - r)  # RoPE at the entry's first position
-        y = apply_interleaved_rope(y, cos, sin)[:m]
+        y = rms_norm(o, self.norm.weight.float(), self.norm.eps)  # o is fp32: the whole norm is
+        # RoPE at the entry's first position: the same in every HCA layer of the forward
+        cos, sin = fb.memo(("hca_entry_rope", r, p.shape[0], id(rope)), lambda: rope.cos_sin(p + 1 - r))
+        y = rope.rotate(y, cos, sin)[:m]
         if fb.caps is None:
             store.write(layer, entry, fb.entry_out_slots[closers], y)
         else:  # fixed shapes: every query computed its would-be entry; only block-closers keep it

@@ -340,8 +340,20 @@ class SlotStore:
         if self._where(layer, piece)[3] != "token" or self._ratio(layer) <= 1:
             stored = torch.where(keep[:, None], stored, self._read_stored(layer, piece, slots))
         else:
-            slots = torch.where(keep, slots, 0)
+            slots = self._kept_slots(slots, keep)
         self._write_stored(layer, piece, slots, stored)
+
+    def _kept_slots(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``slots`` where ``keep``, else 0; one tensor per (slots, keep) within a forward, so that its rows are
+        mapped once (``_rows``)."""
+        memo = self.forward_memo
+        key = ("kept", id(slots), id(keep))
+        hit = memo.get(key) if memo is not None else None
+        if hit is None or hit[0] is not slots or hit[1] is not keep:
+            hit = (slots, keep, torch.where(keep, slots, 0))
+            if memo is not None:
+                memo[key] = hit
+        return hit[2]
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them). Coded pieces decoded."""
