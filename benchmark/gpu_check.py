@@ -23,7 +23,6 @@ import argparse
 import importlib.abc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +48,8 @@ for p in (HERE, HERE.parent / "python", HERE.parent / "sgl-kernel-ext"):
         sys.path.insert(0, str(p))
 
 import torch  # noqa: E402
+from bench_common import git_commit  # noqa: E402
+from gpu_verify_cost import timed_ms  # noqa: E402
 
 KERNELS = ("tree_sparse_attention", "compress_entries", "fp8_block_linear", "routed_experts_fp4", "hc_pre",
            "hc_post", "rms_norm", "indexer_scores")
@@ -77,26 +78,6 @@ class Recorder:
         return rec
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def median_ms(fn, sync, reps: int) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def environment(rec: Recorder, dev: torch.device, sync, dry: bool) -> float:
     """The env record, then the copy bandwidth (bytes read + written per second) every floor is measured against."""
     import triton
@@ -115,7 +96,7 @@ def environment(rec: Recorder, dev: torch.device, sync, dry: bool) -> float:
     n = (16 << 20) if dry else (2 << 30)
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), sync, 3 if dry else 20)
+    ms = timed_ms(lambda: dst.copy_(src), sync, 3 if dry else 20)
     bandwidth = 2 * n / (ms / 1e3)
     rec.emit("copy", median_ms=ms, floor_ms=ms, bytes=2 * n, bytes_per_s=bandwidth)
     return bandwidth
@@ -214,7 +195,7 @@ def check_kernels(rec: Recorder, dev, sync, bandwidth: float, dry: bool, broken:
                     errs.append(float("inf"))
                 else:
                     errs.append(cases.rel_err(g[finite], w[finite]))
-            ms = median_ms(kernel, sync, 3 if dry else 20)
+            ms = timed_ms(kernel, sync, 3 if dry else 20)
             moved = traffic.declared(op_name, args, {})
             nbytes = moved.read + moved.written
             error = None if max(errs) <= tol else f"relative error {max(errs):.3g} > {tol}"
@@ -349,7 +330,7 @@ def check_layers(rec: Recorder, dev, sync, bandwidth: float, dry: bool) -> None:
                         once()
                         routed = int(torch.unique(routed_ids[-1]).numel()) if routed_ids else 0
                         floor = layer_floor(model, eff_ratio, b, context, routed) / bandwidth * 1e3
-                        rec.emit(op, **common, graph=False, median_ms=median_ms(once, sync, reps), floor_ms=floor,
+                        rec.emit(op, **common, graph=False, median_ms=timed_ms(once, sync, reps), floor_ms=floor,
                                  routed_experts=routed)
                         ms = captured_step(model, runner, sub, toks, par, n_nodes, runner.req_table.shape[1], sync,
                                            reps, capture)
@@ -374,7 +355,7 @@ def check_mtp(rec: Recorder, model, runner, rids, sync, bandwidth: float, contex
             fb = ForwardBatch(torch.randint(0, model.cfg.vocab_size, (b,), device=dev), pos,
                               runner.req_table[sub, pos], SlotTable.for_requests(runner.req_table, sub, pos))
             h = torch.randn(b, model.cfg.hc_mult, model.cfg.hidden_size, device=dev).to(torch.bfloat16)
-            ms = median_ms(lambda fb=fb, h=h: mtp_forward(model, fb, h, runner.mtp_store), sync, reps)
+            ms = timed_ms(lambda fb=fb, h=h: mtp_forward(model, fb, h, runner.mtp_store), sync, reps)
             blk = model.mtp[0]
             weights = sum(t.numel() * t.element_size() for t in list(blk.parameters()) + list(blk.buffers()))
             experts = blk.ffn.experts

@@ -164,7 +164,7 @@ class Indexer(nn.Module):
         best_score = best_idx = None
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
-            cand = torch.arange(e0, min(e0 + step, emax), device=x.device).expand(n, -1)
+            cand = self.candidates(fb, e0, step)
             rows = self.candidate_rows(fb, store, layer, e0, step, cand)
             keys, rows = store.readable(layer, "ientry", rows, q.dtype)
             score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5)
@@ -178,6 +178,14 @@ class Indexer(nn.Module):
         if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
             return best_idx, best_idx < n_vis[:, None]
         return best_idx, best_score > float("-inf")
+
+    @staticmethod
+    def candidates(fb: ForwardBatch, e0: int, step: int) -> torch.Tensor:
+        """Entry numbers ``e0 .. e0 + step`` (up to the width ``fb.entry_width(4)``) for every query: ``[N, C]``,
+        the same in every CSA layer of the forward."""
+        n, emax = fb.positions.shape[0], fb.entry_width(4)
+        return fb.memo(("index_cand", e0, step), lambda: torch.arange(
+            e0, min(e0 + step, emax), device=fb.positions.device).expand(n, -1))
 
     @staticmethod
     def candidate_rows(fb: ForwardBatch, store: SlotStore, layer: int, e0: int, step: int,
@@ -199,8 +207,7 @@ class Indexer(nn.Module):
         step = self.chunk_entries(fb.positions.shape[0])
         if emax == 0 or emax > step:
             return None
-        cand = torch.arange(0, emax, device=idx.device).expand(fb.positions.shape[0], -1)
-        rows = self.candidate_rows(fb, store, layer, 0, step, cand)
+        rows = self.candidate_rows(fb, store, layer, 0, step, self.candidates(fb, 0, step))
         return torch.where(ok, rows.gather(1, idx), -1)
 
     def chunk_entries(self, n_queries: int) -> int:

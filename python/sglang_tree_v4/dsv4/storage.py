@@ -257,14 +257,20 @@ class SlotStore:
     def _rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
         """Rows of ``slots`` in the buffers of ``kind``; within a forward (``forward_memo``, the forward's
         ``ForwardBatch.memo_``) computed once per slot tensor and layout, not once per layer and piece."""
+        token = kind == "token"
+        key = ("rows", kind, self._ratio(layer) if token else 0, self.scratch_base[layer] if token else 0)
+        return self._per_forward(key, (slots,), lambda: self._compute_rows(layer, slots, kind))
+
+    def _per_forward(self, key: tuple, inputs: tuple[torch.Tensor, ...], fn: Callable[[], torch.Tensor]):
+        """``fn()`` once per forward (``forward_memo``) for these input tensors; every call outside a forward. The
+        memo holds the inputs, so their ids are not reused while it lives."""
         memo = self.forward_memo
         if memo is None:
-            return self._compute_rows(layer, slots, kind)
-        key = ("rows", kind, self._ratio(layer) if kind == "token" else 0,
-               self.scratch_base[layer] if kind == "token" else 0, id(slots))
-        hit = memo.get(key)
-        if hit is None or hit[0] is not slots:  # the memo holds ``slots``: its id is not reused meanwhile
-            hit = memo[key] = (slots, self._compute_rows(layer, slots, kind))
+            return fn()
+        full = key + tuple(id(t) for t in inputs)
+        hit = memo.get(full)
+        if hit is None or any(a is not b for a, b in zip(hit[0], inputs, strict=True)):
+            hit = memo[full] = (inputs, fn())
         return hit[1]
 
     def _compute_rows(self, layer: int, slots: torch.Tensor, kind: str) -> torch.Tensor:
@@ -346,14 +352,7 @@ class SlotStore:
     def _kept_slots(self, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``slots`` where ``keep``, else 0; one tensor per (slots, keep) within a forward, so that its rows are
         mapped once (``_rows``)."""
-        memo = self.forward_memo
-        key = ("kept", id(slots), id(keep))
-        hit = memo.get(key) if memo is not None else None
-        if hit is None or hit[0] is not slots or hit[1] is not keep:
-            hit = (slots, keep, torch.where(keep, slots, 0))
-            if memo is not None:
-                memo[key] = hit
-        return hit[2]
+        return self._per_forward(("kept",), (slots, keep), lambda: torch.where(keep, slots, 0))
 
     def read(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (any shape); negative slots read as zeros (callers mask them). Coded pieces decoded."""
