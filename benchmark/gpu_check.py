@@ -343,7 +343,9 @@ def check_layers(rec: Recorder, dev, sync, bandwidth: float, dry: bool) -> None:
 
 
 def check_mtp(rec: Recorder, model, runner, rids, sync, bandwidth: float, context: int, batches, reps: int) -> None:
-    """One MTP draft step (the drafter's layer over one token per request at the end of the context)."""
+    """The MTP's step: one token per request at the end of the context (``none``, eager), and a tree's first draft
+    step (``tree``: K = 3 nodes per request at depth 1, the server's ``MTPTreeDrafter``), eager and replayed from
+    the server's graph of it (``step_graphs``, captured under ``set_sync_debug_mode("error")`` on CUDA)."""
     from sglang_tree_v4.dsv4.mtp import mtp_forward
     from sglang_tree_v4.dsv4.storage import ForwardBatch, SlotTable
 
@@ -356,18 +358,68 @@ def check_mtp(rec: Recorder, model, runner, rids, sync, bandwidth: float, contex
                               runner.req_table[sub, pos], SlotTable.for_requests(runner.req_table, sub, pos))
             h = torch.randn(b, model.cfg.hc_mult, model.cfg.hidden_size, device=dev).to(torch.bfloat16)
             ms = timed_ms(lambda fb=fb, h=h: mtp_forward(model, fb, h, runner.mtp_store), sync, reps)
-            blk = model.mtp[0]
-            weights = sum(t.numel() * t.element_size() for t in list(blk.parameters()) + list(blk.buffers()))
-            experts = blk.ffn.experts
-            ex = sum(t.numel() * t.element_size() for t in list(experts.parameters()) + list(experts.buffers()))
-            held = experts.w1.shape[0]
-            needed = weights - ex + ex * min(held, b * model.cfg.num_experts_per_tok) // held
-            needed += b * min(context, model.cfg.window) * model.cfg.head_dim * 2
-            rec.emit("mtp", shape="none", batch=b, draft_tokens=1, context=context, median_ms=ms,
-                     floor_ms=needed / bandwidth * 1e3, note="eager; the LM head of the small vocabulary included")
+            rec.emit("mtp", shape="none", batch=b, draft_tokens=1, context=context, graph=False, median_ms=ms,
+                     floor_ms=mtp_floor(model, b, context) / bandwidth * 1e3,
+                     note="eager; the LM head of the small vocabulary included")
         except Exception as e:  # noqa: BLE001
-            rec.emit("mtp", batch=b, context=context, error=f"{type(e).__name__}: {e}",
+            rec.emit("mtp", shape="none", batch=b, context=context, error=f"{type(e).__name__}: {e}",
                      trace=traceback.format_exc(limit=4))
+        for graph in (False, True):
+            try:
+                ms = draft_step_ms(model, runner, rids[:b], sync, reps, graph)
+                rec.emit("mtp", shape="tree", batch=b, draft_tokens=3, context=context, graph=graph and
+                         dev.type == "cuda", median_ms=ms, floor_ms=mtp_floor(model, 3 * b, context) / bandwidth * 1e3,
+                         note="first draft step, K=3" + ("" if not graph or dev.type == "cuda" else
+                                                         "; capture replaced by an eager call"))
+            except Exception as e:  # noqa: BLE001
+                rec.emit("mtp", shape="tree", batch=b, context=context, graph=graph,
+                         error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=4))
+
+
+def mtp_floor(model, tokens: int, context: int) -> int:
+    """Bytes an MTP forward over ``tokens`` queries must move: its weights (the experts ``tokens`` can route to)
+    and each query's window keys."""
+    blk = model.mtp[0]
+    weights = sum(t.numel() * t.element_size() for t in list(blk.parameters()) + list(blk.buffers()))
+    experts = blk.ffn.experts
+    ex = sum(t.numel() * t.element_size() for t in list(experts.parameters()) + list(experts.buffers()))
+    held = experts.w1.shape[0]
+    needed = weights - ex + ex * min(held, tokens * model.cfg.num_experts_per_tok) // held
+    return needed + tokens * min(context, model.cfg.window) * model.cfg.head_dim * 2
+
+
+def draft_step_ms(model, runner, rids: list[int], sync, reps: int, graph: bool) -> float:
+    """Median ms of a tree's first MTP draft step (K = 3, S = 4) for ``rids``, eager or through a graph."""
+    from sglang_tree_v4.dsv4.mtp import draft_scratch_rows, new_mtp_store
+    from sglang_tree_v4.serving import step_graphs
+    from sglang_tree_v4.speculative.mtp_drafter import MTPGraphs, MTPTreeDrafter
+    from sglang_tree_v4.tree import DraftStep
+
+    K, S = 3, 4
+    dev, cfg, b = runner.device, model.cfg, len(rids)
+    stride = draft_scratch_rows(K, S)
+    store = new_mtp_store(cfg, runner.store.num_slots, torch.bfloat16, dev, step_graphs.batch_bucket(b) * stride)
+    graphs = None
+    if graph:
+        capture = step_graphs.capture_for(dev)
+        graphs = MTPGraphs(model, store, None, step_graphs.StepGraphs({}, capture))
+    rid_t = torch.tensor(rids, device=dev)
+    lens = torch.tensor([runner.lens[r] for r in rids], device=dev)
+    drafter = MTPTreeDrafter(model, store, runner.req_table[rid_t], lens, K, S, graphs)
+    slots = torch.arange(1, K + 1, device=dev).expand(b, K)
+    step = DraftStep(step=1, tokens=torch.randint(0, cfg.vocab_size, (b, K), device=dev),
+                     positions=(lens + 1)[:, None].expand(b, K), slots=slots,
+                     parent_slots=torch.zeros(b, K, dtype=torch.long, device=dev),
+                     ancestors=torch.cat([torch.ones(b, K, 1, dtype=torch.bool, device=dev),
+                                          torch.eye(K, dtype=torch.bool, device=dev).expand(b, K, K)], -1),
+                     parent_hidden=torch.randn(b, K, cfg.hc_mult, cfg.hidden_size, device=dev).to(torch.bfloat16))
+    if graph and dev.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # a host sync inside the captured step raises
+        try:
+            drafter(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return timed_ms(lambda: drafter(step), sync, reps)
 
 
 def main(argv: list[str] | None = None) -> int:

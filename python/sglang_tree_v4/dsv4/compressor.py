@@ -124,7 +124,8 @@ def _closer_rows(fb: ForwardBatch, r: int,
     p = fb.positions[closers]
     pos = p[:, None] - torch.arange(span - 1, -1, -1, device=p.device)
     t = fb.table
-    sub = type(t)(t.req_table, t.query_req[closers], t.base[closers], t.anc[closers])
+    sub = type(t)(t.req_table, t.query_req[closers], t.base[closers], t.anc[closers],
+                  offset=None if t.offset is None else t.offset[closers])
     return closers, sub.lookup(pos), closes
 
 

@@ -461,6 +461,9 @@ class SlotTable:
     anc:       [N, D] long, ``anc[i, j]`` = slot of position ``base[i] + j`` on query i's own path (D may be 0).
     anc_entry: [N, D] long or None, where the entries of those ancestors are (``SlotStore`` doc: a slot, or
                ``-2 - q`` for a draft node whose entry is in tree scratch); None: at their slots.
+    offset:    [N] long or None, the position of ``req_table``'s first column for each query: a table of a few
+               columns per request (a sliding-window layer's, ``mtp_drafter.window_table``) instead of the whole
+               context's. Positions outside its columns are unknown (-1). None: column = position.
     """
 
     req_table: torch.Tensor
@@ -468,6 +471,7 @@ class SlotTable:
     base: torch.Tensor
     anc: torch.Tensor
     anc_entry: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
 
     def lookup(self, pos: torch.Tensor, entries: bool = False) -> torch.Tensor:
         """Slots for positions ``pos [N, K]`` (each row belongs to query i); ``-1`` for negative positions.
@@ -475,7 +479,12 @@ class SlotTable:
         n, _ = pos.shape
         T = self.req_table.shape[1]
         rel = pos - self.base[:, None]
-        from_req = self.req_table[self.query_req[:, None], pos.clamp(0, T - 1)]
+        if self.offset is None:
+            from_req = self.req_table[self.query_req[:, None], pos.clamp(0, T - 1)]
+        else:
+            col = pos - self.offset[:, None]
+            from_req = self.req_table[self.query_req[:, None], col.clamp(0, T - 1)]
+            from_req = torch.where((col >= 0) & (col < T), from_req, -1)
         if self.anc.shape[1] > 0:
             anc = self.anc_entry if entries and self.anc_entry is not None else self.anc
             from_anc = anc.gather(1, rel.clamp(0, anc.shape[1] - 1))

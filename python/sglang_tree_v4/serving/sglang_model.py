@@ -41,7 +41,7 @@ from ..dsv4.storage import (
     paged_layouts,
     streams_layouts,
 )
-from . import verify_graphs
+from . import step_graphs
 from .sglang_pool import entry_ratios, window_layer_widths
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         # The head is vocabulary-parallel: SGLang's logits processor gathers the ranks' parts.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=self.model.tp_rank_size[1] == 1)
         self.last_streams: torch.Tensor | None = None
-        self.verify_graphs: verify_graphs.VerifyGraphs | None = None
+        self._graphs: step_graphs.StepGraphs | None = None
         self._stores: tuple[SlotStore, SlotStore | None, SlotStore] | None = None
 
     # --- storage over SGLang's KV pool ---------------------------------------------------------------------
@@ -217,7 +217,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             n = forward_batch.spec_info.draft_token_num
             caps = verify_caps(forward_batch.seq_lens, n, req_to_token.shape[1], forward_batch.seq_lens_cpu)
             capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # SGLang's own capture
-            if caps is not None and verify_graphs.enabled(device) and not capturing:
+            if caps is not None and step_graphs.enabled(device) and not capturing:
                 return self._graph_verify(input_ids, positions, forward_batch, n, caps)
         req_table = req_to_token[forward_batch.req_pool_indices].long()
         if mode.is_target_verify():
@@ -242,29 +242,34 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         return self.logits_processor(input_ids, final, self.model.head, forward_batch)
 
     def _graph_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, n: int, caps: StepCaps):
-        """The verify forward as a replayed graph of its (batch bucket, D, context bucket) (``verify_graphs``)."""
+        """The verify forward as a replayed graph of its (batch bucket, D, context bucket) (``step_graphs``)."""
         bs = forward_batch.batch_size
-        padded = verify_graphs.batch_bucket(bs)
+        padded = step_graphs.batch_bucket(bs)
         if padded * n > self._scratch_capacity():
             padded = bs  # the tree scratch has no rows for the padding's entries
-        pad = verify_graphs.pad_rows
+        pad = step_graphs.pad_rows
         inputs = {"input_ids": pad(input_ids.long(), bs, padded, n), "positions": pad(positions.long(), bs, padded, n),
                   "out_slots": pad(forward_batch.out_cache_loc.long(), bs, padded, n),
                   "req_pool_indices": pad(forward_batch.req_pool_indices.long(), bs, padded),
                   "seq_lens": pad(forward_batch.seq_lens.long(), bs, padded),
                   "mask": pad(forward_batch.spec_info.custom_mask, bs, padded, n * n)}
-        if self.verify_graphs is None:
-            self.verify_graphs = verify_graphs.VerifyGraphs(self._verify_streams,
-                                                            verify_graphs.capture_for(input_ids.device))
-        out = self.verify_graphs.run((padded, n, caps.max_context), inputs)[: bs * n].clone()
+        key = ("verify", ("batch", padded), ("D", n), ("context", caps.max_context))
+        out = self.graphs(input_ids.device).run(key, inputs)[: bs * n].clone()
         return self._logits(input_ids, forward_batch.out_cache_loc.long(), out, forward_batch)
 
-    def _verify_streams(self, static: dict[str, torch.Tensor], key: tuple[int, int, int]) -> torch.Tensor:
+    def graphs(self, device: torch.device) -> step_graphs.StepGraphs:
+        """The server's graphs (the verify forward's here; the worker adds the MTP's), one pool and one cap."""
+        if self._graphs is None:
+            self._graphs = step_graphs.StepGraphs({"verify": self._verify_streams}, step_graphs.capture_for(device))
+        return self._graphs
+
+    def _verify_streams(self, static: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
         """What a verify graph captures: the slot tables (the request table cut to the bucket's columns) and the
         model's forward over the target store, from the static inputs alone."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
-        _, n, capacity = key
+        named = dict(key[1:])
+        n, capacity = named["D"], named["context"]
         req_to_token = get_req_to_token_pool().req_to_token
         req_table = req_to_token[static["req_pool_indices"], :capacity].long()
         out_slots = static["out_slots"]

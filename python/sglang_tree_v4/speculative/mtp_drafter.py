@@ -39,23 +39,50 @@ def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.T
     positions = torch.cat([torch.arange(s, n, device=device) for s, n in zip(starts, lens, strict=False)])
     next_ids = torch.cat([torch.tensor(t, device=device) for t in next_tokens])
     query_req = torch.arange(len(lens), device=device).repeat_interleave(counts)
-    return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, torch.cumsum(counts, 0) - 1)
+    table = SlotTable.for_requests(req_table, query_req, positions)
+    return _mtp_rows(model, mtp_store, streams, table, positions, next_ids, torch.cumsum(counts, 0) - 1)
 
 
 def catch_up_fixed(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor, lens: torch.Tensor,
-                   next_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   next_tokens: torch.Tensor, graphs: MTPGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``catch_up`` with fixed shapes (no host sync): every request runs the last ``C`` positions
     ``lens[b] - C .. lens[b] - 1`` with ``next_tokens [B, C]`` (the tokens one ahead, the bonus last).
 
     Usable when every request needs at most C positions and has at least C: positions before its start are
     recomputed, which rewrites the same rows (a position's MTP row depends on that position's token and target
-    stream alone). After one verify round the need is the accepted count, so ``C`` = the largest D fits."""
+    stream alone). After one verify round the need is the accepted count, so ``C`` = the largest D fits.
+    ``graphs``: replayed from a CUDA graph of its (batch bucket, C)."""
+    C = next_tokens.shape[1]
+    table, offset = window_table(req_table, lens, C + model.cfg.window)
+    inputs = {"table": table, "offset": offset, "lens": lens.long(), "next_tokens": next_tokens.long()}
+    if graphs is not None:
+        return graphs.run(("catch_up", ("C", C)), inputs)
+    return _catch_up_fixed(model, mtp_store, streams, inputs)
+
+
+def _catch_up_fixed(model, mtp_store: SlotStore, streams: SlotStore,
+                    inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    next_tokens = inputs["next_tokens"]
     B, C = next_tokens.shape
-    device = req_table.device
-    positions = (lens.long()[:, None] - C + torch.arange(C, device=device)).flatten()
+    device = next_tokens.device
+    positions = (inputs["lens"][:, None] - C + torch.arange(C, device=device)).flatten()
     query_req = torch.arange(B, device=device).repeat_interleave(C)
     last = torch.arange(B, device=device) * C + C - 1
-    return _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_tokens.flatten(), last)
+    table = SlotTable(inputs["table"], query_req, positions + 1, torch.zeros(B * C, 0, dtype=torch.long,
+                                                                               device=device),
+                      offset=inputs["offset"][query_req])
+    return _mtp_rows(model, mtp_store, streams, table, positions, next_tokens.flatten(), last)
+
+
+def window_table(req_table: torch.Tensor, lens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's slots of positions ``lens[b] - width .. lens[b] - 1`` (-1 below 0), and ``lens - width``:
+    all an MTP forward over its last positions reads of the request table (a sliding-window layer), as a
+    ``SlotTable`` with ``offset``. A graph's static input of this width needs no context bucket."""
+    offset = lens.long() - width
+    cols = offset[:, None] + torch.arange(width, device=req_table.device)
+    T = req_table.shape[1]
+    table = req_table.gather(1, cols.clamp(0, T - 1))
+    return torch.where((cols >= 0) & (cols < T), table, -1), offset
 
 
 def prefill_span(a: int, b: int, known: int, window: int) -> tuple[int, int]:
@@ -135,14 +162,14 @@ def mtp_window_from(req_table: torch.Tensor, first: list[int]) -> torch.Tensor:
     return torch.where(cols[None, :] >= torch.tensor(first, device=req_table.device)[:, None], req_table, -1)
 
 
-def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids,
+def _mtp_rows(model, mtp_store, streams, table: SlotTable, positions, next_ids,
               last) -> tuple[torch.Tensor, torch.Tensor]:
     """One MTP forward over committed positions (their target streams read from ``streams``, piece ``h``); the
     ``last`` rows' logits and hidden streams as the root drafts ``[B, 1, ...]``."""
-    out_slots = req_table[query_req, positions]
+    out_slots = table.lookup(positions[:, None])[:, 0]
     hc, hidden = model.cfg.hc_mult, model.cfg.hidden_size
     h = streams.read(0, "h", out_slots).view(-1, hc, hidden).to(model.embed.weight.dtype)
-    batch = ForwardBatch(next_ids.long(), positions, out_slots, SlotTable.for_requests(req_table, query_req, positions))
+    batch = ForwardBatch(next_ids.long(), positions, out_slots, table)
     out = mtp_forward(model, batch, h, mtp_store, logits_rows=last)
     return out.logits[:, None], out.streams[last][:, None]
 
@@ -151,36 +178,77 @@ class MTPTreeDrafter:
     """Implements ``tree.Drafter`` for draft steps >= 1 (the root's draft comes from ``catch_up``)."""
 
     def __init__(self, model, mtp_store: SlotStore, req_table: torch.Tensor, prefix_lens: torch.Tensor,
-                 topk: int, steps: int):
-        """``steps``: the most draft steps (S) a tree of this round may take; ``req_table``: one row per request."""
+                 topk: int, steps: int, graphs: MTPGraphs | None = None):
+        """``steps``: the most draft steps (S) a tree of this round may take; ``req_table``: one row per request;
+        ``graphs``: each step replayed from a CUDA graph of its (batch bucket, K, depth)."""
         self.model = model
         self.store = mtp_store
-        self.req_table = req_table
         self.prefix_lens = prefix_lens.long()
+        # The window below the prefix is all a draft query reads of the request table (later positions are its
+        # ancestors').
+        self.table, self.offset = window_table(req_table, self.prefix_lens, model.cfg.window)
         self.topk = topk
         self.stride = draft_scratch_rows(topk, steps)
+        self.graphs = graphs
         if req_table.shape[0] * self.stride > mtp_store.window_scratch_rows:
             raise ValueError(f"the MTP store has {mtp_store.window_scratch_rows} draft scratch rows; "
                              f"{req_table.shape[0]} requests drafting K={topk}, S={steps} trees need "
                              f"{req_table.shape[0] * self.stride}")
 
-    def _scratch(self, rows: torch.Tensor, draft_slots: torch.Tensor) -> torch.Tensor:
-        """The store's scratch code (``-2 - j``) of draft slot ``s >= 1`` of batch row ``b``."""
-        return -2 - (rows * self.stride + draft_slots - 1)
-
     def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
-        B, n = step.tokens.shape
-        depth = step.step  # every node fed at step s has depth s
-        rows = torch.arange(B, device=step.tokens.device)[:, None]
-        out_slots = self._scratch(rows, step.slots)
-        # Ancestors at depths 1..depth (itself last): one fed slot per depth among that depth's K slots.
-        by_depth = step.ancestors[:, :, 1 : 1 + depth * self.topk].reshape(B, n, depth, self.topk)
-        anc_draft_slots = 1 + torch.arange(depth, device=rows.device) * self.topk + by_depth.int().argmax(-1)
-        anc_slots = self._scratch(rows[:, :, None], anc_draft_slots)
-        positions = (step.positions - 1).reshape(-1)
-        query_req = rows.expand(B, n).reshape(-1)
-        table = SlotTable(self.req_table, query_req, self.prefix_lens[query_req], anc_slots.reshape(B * n, depth))
-        batch = ForwardBatch(step.tokens.reshape(-1), positions, out_slots.reshape(-1), table)
-        hidden = step.parent_hidden.reshape(B * n, *step.parent_hidden.shape[2:])
-        out = mtp_forward(self.model, batch, hidden, self.store)
-        return out.logits.view(B, n, -1), out.streams.view(B, n, *out.streams.shape[1:])
+        inputs = {"tokens": step.tokens, "slots": step.slots, "ancestors": step.ancestors,
+                  "positions": step.positions, "parent_hidden": step.parent_hidden, "table": self.table,
+                  "offset": self.offset, "prefix_lens": self.prefix_lens}
+        if self.graphs is not None:
+            key = ("draft", ("K", self.topk), ("depth", step.step), ("fed", step.ancestors.shape[-1]),
+                   ("stride", self.stride))
+            return self.graphs.run(key, inputs, scratch_stride=self.stride)
+        return draft_step(self.model, self.store, inputs, step.step, self.topk, self.stride)
+
+
+def draft_step(model, store: SlotStore, inputs: dict[str, torch.Tensor], depth: int, topk: int,
+               stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MTP forward over the nodes fed at draft step ``depth`` (every one of them at that depth), from tensors
+    alone (``MTPTreeDrafter``'s inputs): what a draft graph captures. Request ``b``'s draft slot ``s >= 1`` is the
+    store's scratch row ``b * stride + s - 1`` (code ``-2 - row``)."""
+    tokens = inputs["tokens"]
+    B, n = tokens.shape
+    rows = torch.arange(B, device=tokens.device)[:, None]
+    out_slots = -2 - (rows * stride + inputs["slots"] - 1)
+    # Ancestors at depths 1..depth (itself last): one fed slot per depth among that depth's K slots.
+    by_depth = inputs["ancestors"][:, :, 1 : 1 + depth * topk].reshape(B, n, depth, topk)
+    anc_draft_slots = 1 + torch.arange(depth, device=rows.device) * topk + by_depth.int().argmax(-1)
+    anc_slots = -2 - (rows[:, :, None] * stride + anc_draft_slots - 1)
+    positions = (inputs["positions"] - 1).reshape(-1)
+    query_req = rows.expand(B, n).reshape(-1)
+    table = SlotTable(inputs["table"], query_req, inputs["prefix_lens"][query_req], anc_slots.reshape(B * n, depth),
+                      offset=inputs["offset"][query_req])
+    batch = ForwardBatch(tokens.reshape(-1), positions, out_slots.reshape(-1), table)
+    parent = inputs["parent_hidden"]
+    out = mtp_forward(model, batch, parent.reshape(B * n, *parent.shape[2:]), store)
+    return out.logits.view(B, n, -1), out.streams.view(B, n, *out.streams.shape[1:])
+
+
+class MTPGraphs:
+    """The MTP's fixed-shape forwards (catch-up, draft steps) as graphs of the server's ``StepGraphs``, batches
+    padded to their bucket by repeating the last request. A padded draft row drafts into scratch rows of its own
+    (row index past the batch), so the padding needs that many scratch rows; where the store has too few, the
+    batch runs at its own size."""
+
+    def __init__(self, model, mtp_store: SlotStore, streams: SlotStore, graphs):
+        self.model, self.store, self.streams, self.graphs = model, mtp_store, streams, graphs
+        graphs.fns["catch_up"] = lambda static, key: _catch_up_fixed(model, mtp_store, streams, static)
+        graphs.fns["draft"] = self._draft
+
+    def _draft(self, static: dict[str, torch.Tensor], key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        named = dict(key[1:])
+        return draft_step(self.model, self.store, static, named["depth"], named["K"], named["stride"])
+
+    def run(self, key: tuple, inputs: dict[str, torch.Tensor], scratch_stride: int = 0):
+        from ..serving.step_graphs import batch_bucket
+
+        bs = next(iter(inputs.values())).shape[0]
+        padded = batch_bucket(bs)
+        if padded * scratch_stride > self.store.window_scratch_rows:
+            padded = bs
+        return self.graphs.run_padded(key, inputs, bs, padded)

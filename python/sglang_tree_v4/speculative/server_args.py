@@ -147,9 +147,9 @@ def handle_server_args(server_args) -> None:
     if not keeps_overlap(server_args.device):
         server_args.disable_overlap_schedule = True  # on a CPU (``keeps_overlap``)
     server_args.enable_mixed_chunk = False
-    # Verify graphs are ours, per context bucket (``serving.verify_graphs``): SGLang's decode graph runner would pin
-    # every captured verify to the whole context. --disable-cuda-graph turns ours off too.
-    from ..serving.verify_graphs import GRAPHS_ENV
+    # The graphs are ours, verify per context bucket (``serving.step_graphs``): SGLang's decode graph runner would
+    # pin every captured verify to the whole context. --disable-cuda-graph turns ours off too.
+    from ..serving.step_graphs import GRAPHS_ENV
     if os.environ.get(GRAPHS_ENV) != "force":
         os.environ[GRAPHS_ENV] = "0" if server_args.disable_cuda_graph else "1"
     server_args.disable_cuda_graph = True

@@ -46,6 +46,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
+from ..serving import step_graphs
 from ..serving.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
 from ..tree import (
     DraftTree,
@@ -57,6 +58,7 @@ from ..tree import (
 )
 from .adaptive import NO_SPECULATION, AdaptivePolicy, measure
 from .mtp_drafter import (
+    MTPGraphs,
     MTPTreeDrafter,
     catch_up,
     catch_up_fixed,
@@ -109,6 +111,7 @@ class TreeV4Worker(BaseSpecWorker):
         if len(self.adapter.model.mtp) == 0:
             raise ValueError("--speculative-algorithm TREE_V4 drafts with the checkpoint's MTP layer (mtp.0.*), "
                              "and this checkpoint has none")
+        self.mtp_graphs: MTPGraphs | None = None  # the MTP's forwards as CUDA graphs (``_mtp_graphs``)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
         self.score_temperature = checkpoint_score_temperature(server_args.model_path)
@@ -281,16 +284,26 @@ class TreeV4Worker(BaseSpecWorker):
                 raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request {req.rid}: "
                                    f"{req.kv.kv_allocated_len} reserved, {req.kv.kv_committed_len} committed, "
                                    f"length {L}, D {D})")
+        graphs = self._mtp_graphs() if self.fixed_shapes else None
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
-                                        torch.tensor(next_tokens, device=self.device))
+                                        torch.tensor(next_tokens, device=self.device), graphs)
         else:
             root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
         prefix = batch.seq_lens.long()
-        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, K, self.budget.steps)
+        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, K, self.budget.steps, graphs)
         return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
                                 root_draft=root_draft, score_temperature=self._score_temperatures(batch),
                                 logits_hook=None if rules is None else rules.draft_hook)
+
+    def _mtp_graphs(self) -> MTPGraphs | None:
+        """The MTP's catch-up and draft steps replayed from graphs in the server's ``StepGraphs`` (with the verify
+        forward's), where graphs are on (``step_graphs.enabled``)."""
+        if self.mtp_graphs is None and step_graphs.enabled(self.device):
+            _, mtp_store, streams = self.adapter.stores()
+            self.mtp_graphs = MTPGraphs(self.adapter.model, mtp_store, streams,
+                                        self.adapter.graphs(torch.device(self.device)))
+        return self.mtp_graphs
 
     @staticmethod
     def _pending_tokens(batch, lens: list[int]) -> list[list[int]]:

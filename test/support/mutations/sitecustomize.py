@@ -88,14 +88,14 @@ def _ring_stored_only(compressor) -> None:
 def _stream_off_by_one(drafter) -> None:
     original = drafter._mtp_rows
 
-    def _mtp_rows(model, mtp_store, streams, req_table, positions, query_req, next_ids, last):
-        earlier = req_table[query_req, (positions - 1).clamp(min=0)]
+    def _mtp_rows(model, mtp_store, streams, table, positions, next_ids, last):
+        earlier = table.lookup((positions - 1).clamp(min=0)[:, None])[:, 0]
 
         class Late:
             def read(self, layer, piece, slots):
                 return streams.read(layer, piece, earlier)
 
-        return original(model, mtp_store, Late(), req_table, positions, query_req, next_ids, last)
+        return original(model, mtp_store, Late(), table, positions, next_ids, last)
 
     drafter._mtp_rows = _mtp_rows
 
