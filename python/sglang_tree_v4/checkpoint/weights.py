@@ -92,7 +92,9 @@ def to_internal(name: str) -> str | None:
 
 
 def to_deepseek(name: str) -> str:
-    """Module name -> DeepSeek checkpoint name (stacked experts stay stacked; ``save_checkpoint`` splits them)."""
+    """Module name -> DeepSeek checkpoint name (stacked experts stay stacked; ``save_checkpoint`` splits them).
+    DSpark's stages are published as ``mtp.{s}.*``, heads included (``dsv4.dspark``)."""
+    name = re.sub(r"^dspark\.stages\.", "mtp.", name)
     return re.sub(r"(^|\.)hc_(attn|ffn|head)\.(fn|base|scale)$", lambda m: f"{m.group(1)}hc_{m.group(2)}_{m.group(3)}",
                   name)
 

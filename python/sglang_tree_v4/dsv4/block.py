@@ -42,3 +42,4 @@ class Block(nn.Module):
 class ModelOutput:
     logits: torch.Tensor  # [N, vocab]
     streams: torch.Tensor  # [N, hc_mult, hidden]: last block's output before the HC head (MTP input)
+    features: torch.Tensor | None = None  # [N, k hidden]: DSpark's taps (``dspark.target_features``), if asked
