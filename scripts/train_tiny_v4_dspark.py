@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,10 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_v4_data as data  # noqa: E402
 from train_tiny_v4 import lr_at, token_stream  # noqa: E402
 
-from sglang_tree_v4.checkpoint.weights import deepseek_state, load_model  # noqa: E402
+from sglang_tree_v4.checkpoint.dspark_files import write_dspark_model  # noqa: E402
+from sglang_tree_v4.checkpoint.weights import load_model  # noqa: E402
 from sglang_tree_v4.dsv4 import dspark as ds  # noqa: E402
-
-COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def init_drafter(drafter: torch.nn.Module, seed: int, n_layers: int) -> None:
@@ -92,22 +90,6 @@ def dspark_loss(model, ids: torch.Tensor, anchors: int, gen: torch.Generator) ->
                   "agree": [round(a, 3) for a in agree.tolist()]}
 
 
-def write_model(model, target: Path, out: Path, dspark_keys: dict, meta: dict) -> None:
-    """The target's tensors (``mtp.*`` dropped) bit for bit, DSpark's as ``mtp.{s}.*``, the config's keys."""
-    from safetensors.torch import load_file, save_file
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v for k, v in load_file(str(target / "model.safetensors")).items() if not k.startswith("mtp.")}
-    drafter = {k: v.detach().clone() for k, v in deepseek_state(model).items() if k.startswith("mtp.")}
-    save_file({**tensors, **drafter}, str(out / "model.safetensors"))
-    cfg = json.loads((target / "config.json").read_text())
-    cfg.pop("tree_v4", None)  # the MTP's fitted draft-score temperature is not DSpark's
-    cfg.update(dspark_keys, num_nextn_predict_layers=len(dspark_keys["dspark_target_layer_ids"]))
-    (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    for name in COPIED:
-        shutil.copy(target / name, out / name)
-    (out / "training_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/tiny-v4")
@@ -129,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--minutes", type=float, default=0, help="stop (resumably) after this long; 0: no limit")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--export", action="store_true", help="only write the model folder from --state")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -146,13 +129,20 @@ def main(argv: list[str] | None = None) -> None:
     model.dspark = ds.DSparkDrafter(model.cfg, dcfg)
     init_drafter(model.dspark, args.seed, dcfg.num_stages)
     opt = torch.optim.AdamW(model.dspark.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    start, spent = 0, 0.0
+    start, spent, state = 0, 0.0, {}
     if os.path.exists(args.state):
         state = torch.load(args.state)
         model.dspark.load_state_dict(state["drafter"])
         opt.load_state_dict(state["opt"])
         start, spent = state["step"], state["seconds"]
         print(f"resuming at step {start} ({spent:.0f} s trained)")
+    if args.export:
+        if not state:
+            raise SystemExit(f"--export: no training state at {args.state}")
+        meta = {"args": state.get("args", {}), "drafter_params": sum(p.numel() for p in model.dspark.parameters()),
+                "target": "tiny-v4 (frozen, bit-identical)", "steps_done": start, "train_seconds": round(spent)}
+        write_dspark_model(model.eval(), target, Path(args.out), dspark_keys, meta)
+        return
 
     train_src, _ = data.corpus(args.sharegpt_train, 0)
     texts = data.mixed_texts(train_src, {"mbpp": args.mbpp_repeats}, args.seed + 1)
@@ -189,15 +179,15 @@ def main(argv: list[str] | None = None) -> None:
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             done = step + 1
             torch.save({"drafter": model.dspark.state_dict(), "opt": opt.state_dict(), "step": done,
-                        "seconds": time.time() - t0}, args.state)
-            write_model(model.eval(), target, Path(args.out), dspark_keys,
+                        "seconds": time.time() - t0, "args": meta["args"]}, args.state)
+            write_dspark_model(model.eval(), target, Path(args.out), dspark_keys,
                         {**meta, "steps_done": done, "train_seconds": round(time.time() - t0)})
             model.dspark.train()
     else:
         step = args.steps
     if step < args.steps:  # stopped by --minutes
         torch.save({"drafter": model.dspark.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "seconds": time.time() - t0}, args.state)
+                    "seconds": time.time() - t0, "args": meta["args"]}, args.state)
         print(f"stopped at step {step}; the same command resumes")
 
 

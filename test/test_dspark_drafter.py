@@ -77,6 +77,32 @@ def test_conditionals_are_the_backbone_plus_the_markov_bias_and_the_chain_follow
         assert int(chain[0, j]) == prev
 
 
+def test_the_servers_k1_tree_is_the_greedy_chain_and_k3_branches_on_exact_conditionals(model):
+    """``dspark_drafter.draft_tree`` (what the worker runs): K = 1, S = γ gives ``greedy_chain`` from the same block
+    pass; with K = 3 every child's token is among the top 3 of its own parent's conditional."""
+    from sglang_tree_v4.speculative.dspark_drafter import draft_tree
+
+    L = torch.tensor([50, 37])
+    store = ds.new_dspark_store(model.cfg, model.dspark.dcfg, 256, block_rows=2 * GAMMA)
+    for mine, theirs in zip(store.buffers, context(model, 60).buffers, strict=True):
+        mine[:256].copy_(theirs[:256])
+    table = torch.arange(256).expand(2, 256)
+    roots = torch.tensor([7, 9])
+    with torch.no_grad():
+        chain = draft_tree(model, store, table, L, roots, GAMMA, 1, GAMMA + 1)
+        block = ds.block_logits(model, roots, L, ds.block_key_slots(
+            SlotTable.for_requests(table, torch.arange(2), L - 1), L, -2 - torch.arange(2 * GAMMA).view(2, GAMMA),
+            model.cfg.window), -2 - torch.arange(2 * GAMMA).view(2, GAMMA), store)
+        want = ds.greedy_chain(model, block, roots)
+        tree = draft_tree(model, store, table, L, roots, 3, 3, 8)
+    assert torch.equal(chain.tokens[:, 1:], want) and chain.parents[0].tolist() == [-1, 0, 1, 2, 3]
+    for b in range(2):
+        for i in range(1, 8):
+            p, d = int(tree.parents[b, i]), int(tree.depths[b, i])
+            cond = ds.conditional_logits(model, block.logits[b, d - 1], tree.tokens[b, p])
+            assert int(tree.tokens[b, i]) in cond.topk(3).indices.tolist()
+
+
 def test_block_is_bidirectional_and_sees_exactly_the_last_window(model):
     L, W = 60, model.cfg.window
     store = context(model, L)

@@ -30,7 +30,7 @@ from ..dsv4.rope import ropes_for
 from .quantized_modules import FP4Experts, FP8BlockLinear
 
 FP8_LINEARS = re.compile(r"(^|\.)(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-                         r"|e_proj|h_proj)$")
+                         r"|e_proj|h_proj|main_proj)$")
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,12 @@ def build_model(cfg: DSV4Config, raw_config: Mapping[str, Any] | None = None, wi
     """``DSV4Model`` with the checkpoint's quantization, parameters allocated (uninitialised) on ``device``
     (default: torch's current default device; ``"meta"`` to only measure it). ``shard``: a second swap step run on
     the meta model before anything is allocated (``tp.shard_model``: this rank's share of every module)."""
+    from ..dsv4.dspark import DSparkConfig
     from ..dsv4.model import DSV4Model
     device = torch.device(device) if device is not None else torch.get_default_device()
+    dspark = DSparkConfig.from_dict(raw_config or {}, cfg.num_layers, cfg.vocab_size)
     with torch.device("meta"):
-        model = DSV4Model(cfg, with_mtp=with_mtp)
+        model = DSV4Model(cfg, with_mtp=with_mtp, dspark=dspark)
     swap_quantized(model, Quantization.from_config(raw_config))
     if shard is not None:
         shard(model)

@@ -172,6 +172,7 @@ class StreamingLoader:
         self.own = dict(model.state_dict())
         self.dtype = next((v.dtype for k, v in self.own.items() if k.endswith("embed.weight")), torch.float32)
         self.has_mtp = any(k.startswith("mtp.") for k in self.own)
+        self.has_dspark = any(k.startswith("dspark.") for k in self.own)
         self.strict = strict
         self.plan = getattr(model, "shard_plan", {})
         self.filled: set[str] = set()
@@ -180,20 +181,27 @@ class StreamingLoader:
         self.unexpected: list[str] = []
 
     # -- routing ------------------------------------------------------------------------------------------------
+    def _internal(self, name: str) -> str | None:
+        """``to_internal``, with a DSpark checkpoint's ``mtp.{s}.*`` going to the drafter's stages."""
+        internal = to_internal(name)
+        if self.has_dspark and internal is not None and internal.startswith("mtp."):
+            return "dspark.stages." + internal[len("mtp."):]
+        return internal
+
     def feed(self, name: str, t) -> None:
         """``t``: the tensor, or a safetensors slice handle (then only this rank's part is read)."""
-        internal = to_internal(name)
+        internal = self._internal(name)
         if internal is None or (internal.startswith("mtp.") and not self.has_mtp):
             return  # deliberately not loaded (the MTP's copies of shared tensors; a model built without MTP)
         m = _EXPERT_RE.match(name)
         if m:
-            base = to_internal(f"{m.group(1)}.{m.group(3)}")
+            base = self._internal(f"{m.group(1)}.{m.group(3)}")
             e = self._local_expert(base, int(m.group(2)))
             if e is None:
                 return  # another rank's expert: never read
             return self._feed_expert(name, _whole(t), base, e, "weight" if m.group(4) == "weight" else "scale")
         if name.endswith(_SCALE_SUFFIXES):
-            weight = to_internal(_stem(name) + ".weight")
+            weight = self._internal(_stem(name) + ".weight")
             if weight in self.own:  # the block scale of a quantized weight (not a parameter named "scale")
                 if self.own[weight].dtype in _FP8:
                     key = weight[: -len(".weight")] + ".scale"
@@ -265,7 +273,7 @@ class StreamingLoader:
                                   f"{tuple(own.shape)}" + (" (FP4: two values per byte)" if packed else ""))
 
     def _dense(self, name: str, t, scale: torch.Tensor | None) -> None:
-        base = to_internal(name)
+        base = self._internal(name)
         if base.endswith(".ffn.experts.gate_up_proj"):  # HF in memory: [E, 2I, D] = cat(w1, w3)
             stem = base[: -len("gate_up_proj")]
             w = dequantize(name, self._part(name, stem + "w1", t), None, self.dtype)
@@ -390,7 +398,7 @@ def deepseek_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         m = re.match(r"^(.*\.ffn\.experts)\.(w[123])$", k)
         if m:
             for e in range(v.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = v[e].contiguous()
+                out[to_deepseek(f"{m.group(1)}.{e}.{m.group(2)}.weight")] = v[e].contiguous()
         else:
             out[to_deepseek(k)] = v.contiguous()
     return out
@@ -401,8 +409,11 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     save_file(deepseek_state(model), os.path.join(path, "model.safetensors"))
+    config = model.cfg.to_deepseek_dict()
+    if getattr(model, "dspark", None) is not None:
+        config.update(model.dspark.dcfg.to_dict())
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.cfg.to_deepseek_dict(), f, indent=1)
+        json.dump(config, f, indent=1)
 
 
 # DeepSeek's published dtypes for the tensors that are not quantized
@@ -452,6 +463,8 @@ def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 <
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     config = model.cfg.to_deepseek_dict()
+    if getattr(model, "dspark", None) is not None:
+        config.update(model.dspark.dcfg.to_dict())
     config.update(torch_dtype="bfloat16", expert_dtype="fp4", quantization_config={
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
         "weight_block_size": [128, 128]})

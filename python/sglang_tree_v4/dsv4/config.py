@@ -11,6 +11,7 @@ names the offending key, because a silently misread config produces a model that
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -104,8 +105,12 @@ class DSV4Config:
     def from_dict(cls, d: Mapping[str, Any]) -> "DSV4Config":
         """Either layout; HF's is recognised by ``layer_types`` / ``compress_rates`` / nested ``rope_parameters``."""
         if "layer_types" in d or "compress_rates" in d or "mlp_layer_types" in d:
-            return cls.from_hf_dict(d)
-        return cls.from_deepseek_dict(d)
+            cfg = cls.from_hf_dict(d)
+        else:
+            cfg = cls.from_deepseek_dict(d)
+        if d.get("dspark_target_layer_ids"):  # a DSpark drafter: one drafter layer (window keys) per stage
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=len(d["dspark_target_layer_ids"]))
+        return cfg
 
     @classmethod
     def from_pretrained(cls, path: str) -> "DSV4Config":

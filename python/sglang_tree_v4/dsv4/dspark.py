@@ -84,6 +84,17 @@ class DSparkConfig:
         return DSparkConfig(gamma, rank, noise, ids, raw.get("dspark_n_routed_experts"),
                             raw.get("dspark_num_experts_per_tok"))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config keys, as a checkpoint carries them."""
+        out = {"dspark_block_size": self.block_size, "dspark_markov_rank": self.markov_rank,
+               "dspark_markov_head_type": "vanilla", "dspark_noise_token_id": self.noise_token_id,
+               "dspark_target_layer_ids": list(self.target_layer_ids)}
+        if self.n_routed_experts:
+            out["dspark_n_routed_experts"] = self.n_routed_experts
+        if self.num_experts_per_tok:
+            out["dspark_num_experts_per_tok"] = self.num_experts_per_tok
+        return out
+
     def stage_config(self, cfg: DSV4Config) -> DSV4Config:
         """The target's config with the stages' expert count and top-k where the checkpoint overrides them."""
         changes = {}
@@ -154,8 +165,9 @@ def dspark_layouts(cfg: DSV4Config, dcfg: DSparkConfig) -> list[LayerLayout]:
 
 
 def new_dspark_store(cfg: DSV4Config, dcfg: DSparkConfig, num_slots: int, dtype=torch.float32,
-                     device="cpu") -> SlotStore:
-    return SlotStore(dspark_layouts(cfg, dcfg), num_slots, dtype, device)
+                     device="cpu", block_rows: int = 0) -> SlotStore:
+    """``block_rows``: window scratch for blocks drafted in place (``speculative.dspark_drafter``)."""
+    return SlotStore(dspark_layouts(cfg, dcfg), num_slots, dtype, device, window_scratch_rows=block_rows)
 
 
 def target_features(per_layer: list[torch.Tensor]) -> torch.Tensor:
@@ -169,7 +181,7 @@ def write_context(model: nn.Module, features: torch.Tensor, positions: torch.Ten
     """Each stage's window key of committed positions from the target's ``features [N, k H]`` there."""
     drafter: DSparkDrafter = model.dspark
     first = drafter.stages[0]
-    x = first.main_norm(first.main_proj(features.to(first.main_proj.weight.dtype)))
+    x = first.main_norm(first.main_proj(features.to(model.embed.weight.dtype)))  # main_proj may be FP8
     rope = model.ropes["main"]
     cos, sin = rope.cos_sin(positions)
     for s, stage in enumerate(drafter.stages):

@@ -174,7 +174,10 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
         raise AssertionError(f"a scratch row ({row['scratch']} B) is not one entry row of every layer ({entry_row} B)")
     page = state_page_size(cfg)
     tree_slots = draft_tokens  # the verify block (the MTP drafts into its own scratch rows)
-    mtp_scratch = draft_scratch_rows(topk, steps) * row["mtp_scratch"]
+    # The drafter's scratch: K (S - 1) MTP draft rows, or a DSpark block's rows (its stage keys take the MTP
+    # layers' place, one per stage: ``DSV4Config.from_dict``).
+    dspark_block = int(raw.get("dspark_block_size") or 0) if raw.get("dspark_target_layer_ids") else 0
+    mtp_scratch = (dspark_block or draft_scratch_rows(topk, steps)) * row["mtp_scratch"]
     window_rows = window_rows_held(cfg) + tree_slots
     token_slots = tree_slots + page - 1  # beyond its committed tokens: the reservation and its last page's tail
     per_request = (window_rows * row["window"] + token_slots * row["token"] + draft_tokens * row["scratch"]
@@ -194,6 +197,8 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
         "state_bytes": round(row["token"] * tokens + per_request * requests),
         "state_tokens": tokens, "state_requests": requests, "draft_tree_slots_per_request": tree_slots,
         "page_size": page, "tree_scratch_bytes_per_request": draft_tokens * row["scratch"] + mtp_scratch,
+        "drafter": "dspark" if dspark_block else "mtp",
+        "drafter_state_bytes_per_request": round(window_rows * kinds["window"].get("mtp_window_kv", 0) + mtp_scratch),
         "window_rows_per_request": window_rows, "window_row_bytes": row["window"],
         "context_len": context_len, "kv_cache_dtype": entry_format or str(dtype).removeprefix("torch."),
         "window_dtype": str(dtype).removeprefix("torch."),

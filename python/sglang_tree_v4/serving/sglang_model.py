@@ -162,6 +162,9 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         # The head is vocabulary-parallel: SGLang's logits processor gathers the ranks' parts.
         self.logits_processor = LogitsProcessor(config, skip_all_gather=self.model.tp_rank_size[1] == 1)
         self.last_streams: torch.Tensor | None = None
+        # DSpark's taps of the last extend or verify forward (``dsv4.dspark.target_features``), for its context.
+        self.taps = self.model.dspark.dcfg.target_layer_ids if self.model.dspark is not None else ()
+        self.last_features: torch.Tensor | None = None
         self._graphs: step_graphs.StepGraphs | None = None
         self._stores: tuple[SlotStore, SlotStore | None, SlotStore] | None = None
 
@@ -195,9 +198,10 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
                                 ring_layouts=streams_layouts(cfg), ring_buffers=swa.ring_buffers[n:], **ring,
                                 **common)
             # The MTP layers' rows past the target layers' are its draft scratch (``sglang_pool``).
+            # The drafter's window keys: the MTP layers', or DSpark's stages' (as many layers; ``DSV4Config``).
             mtp = (SlotStore(mtp_layouts(cfg), num_slots, buffers=window[n:], **common,
                              window_scratch_rows=window[-1].shape[0] - window[0].shape[0])
-                   if len(self.model.mtp) else None)
+                   if len(self.model.mtp) or self.model.dspark is not None else None)
             self._stores = (target, mtp, streams)
         return self._stores
 
@@ -231,8 +235,9 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             caps = entry_out = None
         no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
         batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps, entry_out)
-        out = self.model(batch, store, logits_rows=no_rows).streams
-        return self._logits(input_ids, out_slots, out, forward_batch)
+        out = self.model(batch, store, logits_rows=no_rows, taps=self.taps)
+        self.last_features = out.features
+        return self._logits(input_ids, out_slots, out.streams, forward_batch)
 
     def _logits(self, input_ids: torch.Tensor, out_slots: torch.Tensor, out: torch.Tensor, forward_batch):
         streams = self.stores()[2]
@@ -254,7 +259,11 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
                   "seq_lens": pad(forward_batch.seq_lens.long(), bs, padded),
                   "mask": pad(forward_batch.spec_info.custom_mask, bs, padded, n * n)}
         key = ("verify", ("batch", padded), ("D", n), ("context", caps.max_context))
-        out = self.graphs(input_ids.device).run(key, inputs)[: bs * n].clone()
+        out = self.graphs(input_ids.device).run(key, inputs)
+        if self.taps:
+            out, features = out
+            self.last_features = features[: bs * n].clone()
+        out = out[: bs * n].clone()
         return self._logits(input_ids, forward_batch.out_cache_loc.long(), out, forward_batch)
 
     def graphs(self, device: torch.device) -> step_graphs.StepGraphs:
@@ -263,9 +272,9 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             self._graphs = step_graphs.StepGraphs({"verify": self._verify_streams}, step_graphs.capture_for(device))
         return self._graphs
 
-    def _verify_streams(self, static: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
+    def _verify_streams(self, static: dict[str, torch.Tensor], key: tuple):
         """What a verify graph captures: the slot tables (the request table cut to the bucket's columns) and the
-        model's forward over the target store, from the static inputs alone."""
+        model's forward over the target store, from the static inputs alone; its streams (and DSpark's taps)."""
         from sglang.srt.model_executor.forward_context import get_req_to_token_pool
 
         named = dict(key[1:])
@@ -276,7 +285,8 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         table, entry_out = verify_table(req_table, static["seq_lens"], static["mask"], out_slots, n)
         batch = SlotBatch(static["input_ids"], static["positions"], out_slots, table, StepCaps(capacity, n), entry_out)
         no_rows = torch.empty(0, dtype=torch.long, device=out_slots.device)
-        return self.model(batch, self.stores()[0], logits_rows=no_rows).streams
+        out = self.model(batch, self.stores()[0], logits_rows=no_rows, taps=self.taps)
+        return (out.streams, out.features) if self.taps else out.streams
 
     def _scratch_capacity(self) -> int:
         """Tree-scratch entry rows of the target store (the fewest over its compressed layers)."""

@@ -192,15 +192,17 @@ def verify_tokens_of(server_args) -> int:
     return shape["speculative_num_draft_tokens"] if shape else 1
 
 
-def scratch_rows_of(server_args, max_requests: int | None) -> tuple[int, int]:
-    """Tree scratch rows: per entry layer every running request's D draft nodes, per MTP layer its K (S - 1) draft
-    nodes past the root (``mtp_drafter``); none without TREE_V4."""
+def scratch_rows_of(server_args, max_requests: int | None, dspark_block: int = 0) -> tuple[int, int]:
+    """Tree scratch rows: per entry layer every running request's D draft nodes, per drafter layer its K (S - 1)
+    MTP draft nodes past the root (``mtp_drafter``) or, with a DSpark drafter of block size ``dspark_block``, its
+    block's rows (``speculative.dspark_drafter``); none without TREE_V4."""
     shape = tree_shape_of(server_args)
     if shape is None:
         return 0, 0
     requests = max_requests or server_args.max_running_requests or 0
-    return (requests * shape["speculative_num_draft_tokens"],
-            requests * draft_scratch_rows(shape["speculative_eagle_topk"], shape["speculative_num_steps"]))
+    per_request = (dspark_block if dspark_block else
+                   draft_scratch_rows(shape["speculative_eagle_topk"], shape["speculative_num_steps"]))
+    return requests * shape["speculative_num_draft_tokens"], requests * per_request
 
 
 def retained_window(cfg: DSV4Config) -> int:

@@ -119,7 +119,8 @@ def state_pool(original, configurator, *args, **kwargs):
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
     server_args = getattr(configurator, "server_args", None)
-    scratch, mtp_scratch = scratch_rows_of(server_args, _max_requests.get(id(configurator)))
+    block = int(raw.get("dspark_block_size") or 0) if raw.get("dspark_target_layer_ids") else 0
+    scratch, mtp_scratch = scratch_rows_of(server_args, _max_requests.get(id(configurator)), block)
     entry_format = getattr(configurator.model_config.hf_config, ENTRY_FORMAT_ATTR, None)
     return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format, mtp_scratch,
                                   verify_tokens_of(server_args))

@@ -3,7 +3,7 @@
 Budget flags follow SGLang: ``--speculative-num-draft-tokens`` D (tokens verified per request per step, root
 included), ``--speculative-eagle-topk`` K (branching of the dynamic tree), ``--speculative-num-steps`` S (draft
 depth). ``K = 1, S = D - 1`` is the matched linear chain. Impossible values and models that are not DeepSeek-V4
-with an MTP layer stop the launcher with a message naming the flag.
+with an MTP layer or a DSpark drafter stop the launcher with a message naming the flag or the key.
 """
 
 from __future__ import annotations
@@ -63,18 +63,47 @@ def validate_budget(draft_tokens: int | None, topk: int | None, steps: int | Non
 
 
 def validate_model(model_path: str) -> dict:
-    """The checkpoint must be DeepSeek-V4 with at least one MTP (next-n) layer: the MTP is the drafter."""
+    """The checkpoint must be DeepSeek-V4 with a drafter: at least one MTP (next-n) layer, or DSpark, told apart by
+    the config's keys and the tensors, which must agree (``drafter_kind``)."""
     cfg = read_checkpoint_config(model_path)
     if cfg is None:
         raise ValueError(f"--speculative-algorithm TREE_V4 needs a local DeepSeek-V4 checkpoint; "
                          f"--model-path {model_path!r} has no config.json")
+    if cfg.get("model_type") == "deepseek_v41":
+        raise ValueError(f"--model-path {model_path!r}: model_type 'deepseek_v41' (DeepSeek-V4.1) is not supported; "
+                         f"TREE_V4 serves DeepSeek-V4 ('deepseek_v4') checkpoints")
     if not is_deepseek_v4(cfg):
         raise ValueError(f"--speculative-algorithm TREE_V4 supports DeepSeek-V4 models only; --model-path "
                          f"{model_path!r} is {cfg.get('architectures') or cfg.get('model_type')!r}")
-    if int(cfg.get("num_nextn_predict_layers") or 0) < 1:
+    if drafter_kind(model_path, cfg) is None and int(cfg.get("num_nextn_predict_layers") or 0) < 1:
         raise ValueError(f"--speculative-algorithm TREE_V4 drafts with the model's MTP layer, but --model-path "
                          f"{model_path!r} has num_nextn_predict_layers = 0")
     return cfg
+
+
+def drafter_kind(model_path: str, cfg: dict):
+    """The checkpoint's DSpark config, or None for an MTP drafter; where the config's ``dspark_*`` keys and the
+    ``mtp.*`` tensors disagree (a DSpark stage has ``main_proj`` on stage 0, an MTP layer ``e_proj``), stops naming
+    both."""
+    from ..checkpoint.weights import checkpoint_names
+    from ..dsv4.dspark import DSparkConfig
+
+    dcfg = DSV4Config.from_dict(cfg)
+    dspark = DSparkConfig.from_dict(cfg, dcfg.num_layers, dcfg.vocab_size)
+    try:
+        names = set(checkpoint_names(model_path))
+    except (OSError, ValueError):  # no weights here (yet): the loader names what is missing
+        names = set()
+    stage = "mtp.0.main_proj.weight"
+    if dspark is not None and names and stage not in names:
+        raise ValueError(f"--model-path {model_path!r}: config.json declares a DSpark drafter (dspark_* keys) but "
+                         f"the checkpoint has no {stage}"
+                         + (" (its mtp.0.* is an MTP layer: mtp.0.e_proj.weight)" if "mtp.0.e_proj.weight" in names
+                            else ""))
+    if dspark is None and stage in names:
+        raise ValueError(f"--model-path {model_path!r}: the checkpoint's mtp.0.* is a DSpark stage ({stage}) but "
+                         f"config.json has no dspark_* keys (dspark_block_size, dspark_target_layer_ids, ...)")
+    return dspark
 
 
 CALIBRATION_KEY = "tree_v4"  # config.json section written by scripts/calibrate_tiny_v4.py
@@ -138,9 +167,24 @@ def handle_server_args(server_args) -> None:
     server_args.page_size = check_page_size(DSV4Config.from_dict(raw), server_args.page_size)
     flags = (server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
              server_args.speculative_num_steps)
+    dspark = drafter_kind(server_args.model_path, raw)
+    if dspark is not None:
+        # DSpark's chain by default (its block: γ drafts, γ + 1 verified); the adaptive budget is MTP's for now.
+        gamma = dspark.block_size
+        if all(v is None for v in flags):
+            server_args.speculative_eagle_topk, server_args.speculative_num_steps = 1, gamma
+            server_args.speculative_num_draft_tokens = gamma + 1
+            flags = (gamma + 1, 1, gamma)
+        elif server_args.speculative_num_steps is not None and server_args.speculative_num_steps > gamma:
+            raise ValueError(f"--speculative-num-steps {server_args.speculative_num_steps}: this checkpoint's DSpark "
+                             f"drafter drafts blocks of dspark_block_size = {gamma} tokens, so at most {gamma} steps")
     os.environ[ADAPTIVE_ENV] = "1" if all(v is None for v in flags) else "0"
     budget = validate_budget(server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
                              server_args.speculative_num_steps)
+    if dspark is not None and budget.steps > dspark.block_size:  # steps filled from the other flags
+        raise ValueError(f"--speculative-num-draft-tokens {budget.draft_tokens} with --speculative-eagle-topk "
+                         f"{budget.topk} needs {budget.steps} draft steps; this checkpoint's DSpark drafter drafts at "
+                         f"most dspark_block_size = {dspark.block_size}: set --speculative-num-steps")
     server_args.speculative_num_draft_tokens = budget.draft_tokens
     server_args.speculative_eagle_topk = budget.topk
     server_args.speculative_num_steps = budget.steps

@@ -56,6 +56,7 @@ from ..tree import (
     verify_greedy,
     verify_sampling,
 )
+from . import dspark_drafter
 from .adaptive import NO_SPECULATION, AdaptivePolicy, measure
 from .mtp_drafter import (
     MTPGraphs,
@@ -108,9 +109,10 @@ class TreeV4Worker(BaseSpecWorker):
         if not isinstance(self.adapter, TreeV4DeepseekV4ForCausalLM):
             raise ValueError(f"--speculative-algorithm TREE_V4 needs our DeepSeek-V4 model, got "
                              f"{type(self.adapter).__name__}")
-        if len(self.adapter.model.mtp) == 0:
-            raise ValueError("--speculative-algorithm TREE_V4 drafts with the checkpoint's MTP layer (mtp.0.*), "
-                             "and this checkpoint has none")
+        self.dspark = self.adapter.model.dspark  # DSpark drafts, not the MTP (``dspark_drafter``)
+        if len(self.adapter.model.mtp) == 0 and self.dspark is None:
+            raise ValueError("--speculative-algorithm TREE_V4 drafts with the checkpoint's MTP layer (mtp.0.*) or "
+                             "its DSpark drafter, and this checkpoint has neither")
         self.mtp_graphs: MTPGraphs | None = None  # the MTP's forwards as CUDA graphs (``_mtp_graphs``)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(server_args.random_seed or 0)
@@ -172,7 +174,9 @@ class TreeV4Worker(BaseSpecWorker):
     def _prefill_round(self, batch, on_publish, pp_proxy_tensors):
         self._last_round = None  # the scheduler's time after the last decode round includes this prefill
         result = self._target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
-        if batch.forward_mode.is_extend() and batch.reqs:
+        if batch.forward_mode.is_extend() and batch.reqs and self.dspark is not None:
+            self._prefill_dspark(batch)
+        elif batch.forward_mode.is_extend() and batch.reqs:
             drafts = self._drafts_next()
             (self._prefill_mtp if drafts else self._defer_prefill_mtp)(batch)
             key = "run" if drafts else "deferred"
@@ -241,9 +245,39 @@ class TreeV4Worker(BaseSpecWorker):
             raise RuntimeError("TREE_V4: the prefill forward's streams do not match the batch's chunks")
         catch_up_prefill(model, mtp_store, streams, req_table, chunks, spans, own, tokens)
 
+    def _prefill_dspark(self, batch) -> None:
+        """DSpark's stage keys of every position of the prefill's chunks, from its forward's taps."""
+        features = self.adapter.last_features
+        counts = torch.tensor(batch.extend_lens, device=self.device)
+        if features is None or features.shape[0] != int(counts.sum()):
+            raise RuntimeError("TREE_V4: the prefill forward's DSpark taps do not match the batch's chunks")
+        starts = torch.tensor(batch.prefix_lens, device=self.device).repeat_interleave(counts)
+        first = torch.cumsum(counts, 0) - counts
+        positions = starts + torch.arange(int(counts.sum()), device=self.device) - first.repeat_interleave(counts)
+        dspark_drafter.prefill_context(self.adapter.model, self.adapter.stores()[1], features, positions,
+                                       batch.out_cache_loc.long())
+
     # --- decode: draft, verify, accept, commit --------------------------------------------------------------
+    def _draft_dspark(self, batch, D: int, S: int, pending: list[list[int]], rules: SamplingRules | None,
+                      finished: list[int]) -> DraftTree:
+        """One DSpark block pass, then the tree over its exact conditionals (``dspark_drafter``)."""
+        lens = batch.seq_lens.tolist()
+        roots = []
+        for i, (req, L, waiting) in enumerate(zip(batch.reqs, lens, pending, strict=True)):
+            roots.append(0 if i in finished else _Output(req.output_ids, waiting)[-1])
+            if i not in finished and req.kv.kv_allocated_len < L + D:
+                raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request "
+                                   f"{req.rid}: {req.kv.kv_allocated_len} reserved, length {L}, D {D})")
+        req_table = _inert(self.req_to_token_pool.req_to_token[batch.req_pool_indices].long(), finished)
+        return dspark_drafter.draft_tree(self.adapter.model, self.adapter.stores()[1], req_table, batch.seq_lens,
+                                         torch.tensor(roots, device=self.device), S, self.budget.topk, D,
+                                         self._score_temperatures(batch),
+                                         None if rules is None else rules.draft_hook)
+
     def _draft(self, batch, D: int, S: int, pending: list[list[int]], rules: SamplingRules | None,
                finished: list[int]) -> DraftTree:
+        if self.dspark is not None:
+            return self._draft_dspark(batch, D, S, pending, rules, finished)
         model = self.adapter.model
         _, mtp_store, streams = self.adapter.stores()
         K = self.budget.topk
@@ -431,6 +465,10 @@ class TreeV4Worker(BaseSpecWorker):
                                                  self.token_to_kv_pool_allocator)
             self.adapter.commit_tree_entries(accept_index, _inert(self.req_to_token_pool.req_to_token[
                 batch.req_pool_indices], finished), batch.seq_lens, D)
+        if self.dspark is not None:  # the root's and the accepted nodes' stage keys, at their canonical slots
+            dspark_drafter.commit_context(self.adapter.model, self.adapter.stores()[1], self.adapter.last_features,
+                                          accept_index, _inert(self.req_to_token_pool.req_to_token[
+                                              batch.req_pool_indices], finished), batch.seq_lens)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens

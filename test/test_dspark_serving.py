@@ -1,0 +1,113 @@
+"""TREE_V4 serving a DSpark checkpoint (``models/tiny-v4-dspark``): DSpark's chain through real servers.
+
+* Greedy: 32 concurrent mixed-length requests and 4 one by one give plain decoding's tokens, with drafts accepted,
+  on the CPU's step and on the GPU's (fixed shapes, overlap scheduling, graphs through their eager stand-in, which
+  return the taps too).
+* Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), on the DSpark chain.
+* The radix cache: a request's tokens and verify rounds are those of a cold run of it after a hit (its context
+  keys were written by the earlier request's prefill and commits, the cold run's by its own prefill).
+* ``--speculative-num-steps`` past the block size stops the launcher naming the flag and the block size; with no
+  shape flag the server runs DSpark's chain (D = γ + 1).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
+from sglang_tree_v4.serving.step_graphs import GRAPHS_ENV
+from sglang_tree_v4.speculative.server_args import OVERLAP_ENV
+from sglang_tree_v4.testing import launcher as srv
+from sglang_tree_v4.testing import prompts
+from support import serving_checks as checks
+from support.served import COMMON, SAMPLED_TOKENS, SAMPLES_PER_CASE, SLEEP
+
+pytestmark = pytest.mark.server
+
+DSPARK = Path(__file__).resolve().parents[1] / "models" / "tiny-v4-dspark"
+GAMMA = 4
+CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", str(GAMMA + 1),
+         "--speculative-eagle-topk", "1", "--speculative-num-steps", str(GAMMA)]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    gpu_path = srv.clean_env(**{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1", GRAPHS_ENV: "force"})
+    started = {"plain": srv.launch(DSPARK, COMMON + SLEEP, logs / "plain.log", env=srv.clean_env()),
+               "chain": srv.launch(DSPARK, COMMON + SLEEP + CHAIN, logs / "chain.log", env=srv.clean_env()),
+               "default": srv.launch(DSPARK, COMMON + SLEEP + ["--speculative-algorithm", "TREE_V4"],
+                                     logs / "default.log", env=gpu_path)}
+    with checks.healthy(started) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(servers):
+    items = (checks.eval_prompts(servers["plain"]) * 2)[:32]
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    return items, {name: checks.run_all(s, items, sampling) for name, s in servers.items()}
+
+
+@pytest.mark.parametrize("name", ["chain", "default"])
+def test_greedy_equals_plain_decoding(servers, greedy_outputs, name):
+    items, outs = greedy_outputs
+    assert [o["output_ids"] for o in outs[name]] == [o["output_ids"] for o in outs["plain"]]
+    checks.assert_speculation_exercised(outs[name])
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    for item, ref in list(zip(items, outs["plain"], strict=True))[:4]:
+        assert servers[name].generate({**item, "sampling_params": sampling})["output_ids"] == ref["output_ids"]
+
+
+def test_default_shape_is_dsparks_chain(servers, greedy_outputs):
+    log = servers["default"].log.read_text()
+    assert f"D={GAMMA + 1} K=1 S={GAMMA}" in log, log[-2000:]
+    assert "TREE_V4 graphs: captured verify" in log and "captured draft" not in log  # DSpark drafts need no graph
+
+
+def test_radix_hits_give_the_tokens_and_rounds_of_a_cold_run(servers):
+    chain = servers["chain"]
+    text = " ".join(prompts.sharegpt_prompts(36)[28:36])
+    ids = chain.post("/tokenize", {"prompt": text}).json()["tokens"]
+    prompt, tail = ids[:40], ids[60:67]
+    first = chain.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 220, "temperature": 0,
+                                                                     "ignore_eos": True}})
+    seq = prompt + first["output_ids"]
+    sampling = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    hits = {n: chain.generate({"input_ids": seq[:n] + tail, "sampling_params": sampling}) for n in (45, 230)}
+    for n, hit in hits.items():
+        assert hit["meta_info"]["cached_tokens"] >= {45: 32, 230: 224}[n], (n, hit["meta_info"])
+        assert chain.post("/flush_cache", {}).status_code == 200
+        cold = chain.generate({"input_ids": seq[:n] + tail, "sampling_params": sampling})
+        assert cold["meta_info"]["cached_tokens"] == 0
+        assert hit["output_ids"] == cold["output_ids"], n
+        assert hit["meta_info"]["spec_verify_ct"] == cold["meta_info"]["spec_verify_ct"], n
+    checks.assert_speculation_exercised([first, *hits.values()])
+
+
+@pytest.fixture(scope="module")
+def sampling_cases():
+    return checks.sampling_cases(DSPARK)
+
+
+def test_sampled_tokens_follow_the_target(servers, sampling_cases, target_model):
+    """As ``test_tree_v4_serving.test_sampled_tokens_follow_the_target`` (its docstring has the statistics and the
+    power); the target is ``tiny-v4``'s, bit for bit."""
+    stats = checks.sampled_position_stats(servers["chain"], target_model, sampling_cases, SAMPLES_PER_CASE,
+                                          SAMPLED_TOKENS)
+    print("dspark chain", stats)
+    checks.assert_follows_target(stats)
+    assert stats.mean_verify_rounds >= 3, stats
+
+
+def test_steps_past_the_block_stop_the_launcher():
+    proc = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", str(DSPARK),
+                           "--speculative-algorithm", "TREE_V4", "--speculative-eagle-topk", "1",
+                           "--speculative-num-steps", str(GAMMA + 1), "--port", str(srv.free_port())],
+                          env=srv.clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"--speculative-num-steps {GAMMA + 1}" in proc.stderr and f"dspark_block_size = {GAMMA}" in proc.stderr
