@@ -1,9 +1,10 @@
-"""TREE_V4 serving a DSpark checkpoint (``models/tiny-v4-dspark``): DSpark's chain through real servers.
+"""TREE_V4 serving a DSpark checkpoint (``models/tiny-v4-dspark``): DSpark's chain and best-first trees (D=12, K=4,
+S=γ) through real servers.
 
 * Greedy: 32 concurrent mixed-length requests and 4 one by one give plain decoding's tokens, with drafts accepted,
-  on the CPU's step and on the GPU's (fixed shapes, overlap scheduling, graphs through their eager stand-in, which
-  return the taps too).
-* Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), on the DSpark chain.
+  on the CPU's step and on the GPU's (the default chain with fixed shapes, overlap scheduling, graphs through their
+  eager stand-in, which return the taps too).
+* Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), chain and tree.
 * The radix cache: a request's tokens and verify rounds are those of a cold run of it after a hit (its context
   keys were written by the earlier request's prefill and commits, the cold run's by its own prefill).
 * ``--speculative-num-steps`` past the block size stops the launcher naming the flag and the block size; with no
@@ -31,6 +32,8 @@ DSPARK = Path(__file__).resolve().parents[1] / "models" / "tiny-v4-dspark"
 GAMMA = 4
 CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", str(GAMMA + 1),
          "--speculative-eagle-topk", "1", "--speculative-num-steps", str(GAMMA)]
+TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "12", "--speculative-eagle-topk", "4",
+        "--speculative-num-steps", str(GAMMA)]
 NEW_TOKENS = 40
 
 
@@ -40,6 +43,7 @@ def servers(tmp_path_factory):
     gpu_path = srv.clean_env(**{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1", GRAPHS_ENV: "force"})
     started = {"plain": srv.launch(DSPARK, COMMON + SLEEP, logs / "plain.log", env=srv.clean_env()),
                "chain": srv.launch(DSPARK, COMMON + SLEEP + CHAIN, logs / "chain.log", env=srv.clean_env()),
+               "tree": srv.launch(DSPARK, COMMON + SLEEP + TREE, logs / "tree.log", env=srv.clean_env()),
                "default": srv.launch(DSPARK, COMMON + SLEEP + ["--speculative-algorithm", "TREE_V4"],
                                      logs / "default.log", env=gpu_path)}
     with checks.healthy(started) as up:
@@ -53,7 +57,7 @@ def greedy_outputs(servers):
     return items, {name: checks.run_all(s, items, sampling) for name, s in servers.items()}
 
 
-@pytest.mark.parametrize("name", ["chain", "default"])
+@pytest.mark.parametrize("name", ["chain", "tree", "default"])
 def test_greedy_equals_plain_decoding(servers, greedy_outputs, name):
     items, outs = greedy_outputs
     assert [o["output_ids"] for o in outs[name]] == [o["output_ids"] for o in outs["plain"]]
@@ -69,8 +73,9 @@ def test_default_shape_is_dsparks_chain(servers, greedy_outputs):
     assert "TREE_V4 graphs: captured verify" in log and "captured draft" not in log  # DSpark drafts need no graph
 
 
-def test_radix_hits_give_the_tokens_and_rounds_of_a_cold_run(servers):
-    chain = servers["chain"]
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_radix_hits_give_the_tokens_and_rounds_of_a_cold_run(servers, name):
+    chain = servers[name]
     text = " ".join(prompts.sharegpt_prompts(36)[28:36])
     ids = chain.post("/tokenize", {"prompt": text}).json()["tokens"]
     prompt, tail = ids[:40], ids[60:67]
@@ -94,12 +99,13 @@ def sampling_cases():
     return checks.sampling_cases(DSPARK)
 
 
-def test_sampled_tokens_follow_the_target(servers, sampling_cases, target_model):
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_sampled_tokens_follow_the_target(servers, sampling_cases, target_model, name):
     """As ``test_tree_v4_serving.test_sampled_tokens_follow_the_target`` (its docstring has the statistics and the
     power); the target is ``tiny-v4``'s, bit for bit."""
-    stats = checks.sampled_position_stats(servers["chain"], target_model, sampling_cases, SAMPLES_PER_CASE,
+    stats = checks.sampled_position_stats(servers[name], target_model, sampling_cases, SAMPLES_PER_CASE,
                                           SAMPLED_TOKENS)
-    print("dspark chain", stats)
+    print("dspark", name, stats)
     checks.assert_follows_target(stats)
     assert stats.mean_verify_rounds >= 3, stats
 

@@ -5,9 +5,9 @@ For a round over committed length ``L`` with root (bonus) token ``b`` at positio
 * one backbone pass over the block ``[b, noise × (γ - 1)]`` at positions ``L .. L + γ - 1`` gives ``U [γ, V]``; its
   rows write their stage keys to the drafter store's window scratch (``γ`` rows per request, code ``-2 - row``),
   which nothing reads after the round;
-* the tree builder (``tree.build_draft_tree``) then asks for the children of a node at depth ``d`` with token ``t``:
-  row d's exact conditional ``U_d + W2 · W1[t]``, no further forward. K = 1, S = γ is DSpark's greedy chain; the
-  drafter's "hidden" is empty;
+* the tree is the best-first search over the exact conditionals (``tree.best_first``): a node at depth ``d`` with
+  token ``t`` gets its children from row d's ``U_d + W2 · W1[t]``, no further forward, and the tree holds the
+  ``D - 1`` most probable paths. K = 1, S = γ is DSpark's greedy chain;
 * the verify forward returns the target's taps at every node, and after acceptance the root and the accepted nodes
   (positions ``L .. L + k``) get their stage keys at their canonical slots (``commit_context``), as a prefill
   writes every position of its chunk (``prefill_context``). Nothing else is kept: no rollback, no catch-up.
@@ -18,20 +18,8 @@ import torch
 
 from ..dsv4 import dspark as ds
 from ..dsv4.storage import SlotStore, SlotTable
-from ..tree import DraftStep, build_draft_tree
+from ..tree.best_first import best_first_tree
 from ..tree.draft_tree import DraftTree
-
-
-class DSparkTreeDrafter:
-    """Implements ``tree.Drafter`` for draft steps >= 1 from one block pass (``U``)."""
-
-    def __init__(self, model, block: ds.BlockOutput):
-        self.model, self.block = model, block
-
-    def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
-        B, n = step.tokens.shape
-        logits = ds.conditional_logits(self.model, self.block.logits[:, step.step, None], step.tokens)
-        return logits, logits.new_zeros(B, n, 0)
 
 
 def block_pass(model, store: SlotStore, req_table: torch.Tensor, lens: torch.Tensor,
@@ -51,15 +39,17 @@ def block_pass(model, store: SlotStore, req_table: torch.Tensor, lens: torch.Ten
 
 def draft_tree(model, store: SlotStore, req_table: torch.Tensor, lens: torch.Tensor, roots: torch.Tensor,
                steps: int, topk: int, draft_tokens: int, score_temperature=1.0, logits_hook=None) -> DraftTree:
-    """The round's tree (``steps`` ≤ γ): one block pass, then the builder over its exact conditionals."""
+    """The round's tree (``steps`` ≤ γ): one block pass, then the best-first search over its exact conditionals
+    (``tree.best_first``: the ``draft_tokens - 1`` most probable paths, ≤ ``topk`` children per node)."""
     gamma = model.dspark.dcfg.block_size
     if steps > gamma:
         raise ValueError(f"a DSpark drafter of block size {gamma} drafts at most {gamma} steps, asked for {steps}")
     out = block_pass(model, store, req_table, lens, roots)
-    root_logits = ds.conditional_logits(model, out.logits[:, 0], roots.long())[:, None]
-    root_draft = (root_logits, root_logits.new_zeros(roots.shape[0], 1, 0))
-    return build_draft_tree(roots.long(), lens.long(), DSparkTreeDrafter(model, out), steps, topk, draft_tokens,
-                            root_draft=root_draft, score_temperature=score_temperature, logits_hook=logits_hook)
+
+    def conditional(depth: int, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return ds.conditional_logits(model, out.logits[rows, depth], tokens)
+
+    return best_first_tree(roots.long(), conditional, steps, topk, draft_tokens, score_temperature, logits_hook)
 
 
 def prefill_context(model, store: SlotStore, features: torch.Tensor, positions: torch.Tensor,
