@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mbpp-repeats", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--minutes", type=float, default=0, help="stop (resumably) after this long; 0: no limit")
+    ap.add_argument("--stop-at", type=int, default=0,
+                    help="stop (resumably) before this step, writing the model (the schedule stays --steps)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--export", action="store_true", help="only write the model folder from --state")
     args = ap.parse_args(argv)
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     step = start
     for step in range(start, args.steps):
         if args.minutes and time.time() - t0 - spent > args.minutes * 60:
+            break
+        if args.stop_at and step >= args.stop_at:
+            write_dspark_model(model.eval(), target, Path(args.out), dspark_keys,
+                               {**meta, "steps_done": step, "train_seconds": round(time.time() - t0)})
             break
         lr = lr_at(step, args.steps, args.lr, args.warmup)
         for gr in opt.param_groups:

@@ -3,7 +3,8 @@ S=γ) through real servers.
 
 * Greedy: 32 concurrent mixed-length requests and 4 one by one give plain decoding's tokens, with drafts accepted,
   on the CPU's step and on the GPU's (the default chain with fixed shapes, overlap scheduling, graphs through their
-  eager stand-in, which return the taps too).
+  eager stand-in, which return the taps too), and with fp8 state and prompts prefilled in chunks of 64 (against
+  a plain server with the same flags).
 * Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), chain and tree.
 * The radix cache: a request's tokens and verify rounds are those of a cold run of it after a hit (its context
   keys were written by the earlier request's prefill and commits, the cold run's by its own prefill).
@@ -34,6 +35,7 @@ CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens",
          "--speculative-eagle-topk", "1", "--speculative-num-steps", str(GAMMA)]
 TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "12", "--speculative-eagle-topk", "4",
         "--speculative-num-steps", str(GAMMA)]
+FP8_CHUNKED = ["--kv-cache-dtype", "fp8_e4m3", "--chunked-prefill-size", "64"]  # fp8 state, prompts in chunks
 NEW_TOKENS = 40
 
 
@@ -44,6 +46,10 @@ def servers(tmp_path_factory):
     started = {"plain": srv.launch(DSPARK, COMMON + SLEEP, logs / "plain.log", env=srv.clean_env()),
                "chain": srv.launch(DSPARK, COMMON + SLEEP + CHAIN, logs / "chain.log", env=srv.clean_env()),
                "tree": srv.launch(DSPARK, COMMON + SLEEP + TREE, logs / "tree.log", env=srv.clean_env()),
+               "plain_fp8": srv.launch(DSPARK, COMMON + SLEEP + FP8_CHUNKED, logs / "plain_fp8.log",
+                                       env=srv.clean_env()),
+               "chain_fp8": srv.launch(DSPARK, COMMON + SLEEP + FP8_CHUNKED + CHAIN, logs / "chain_fp8.log",
+                                       env=srv.clean_env()),
                "default": srv.launch(DSPARK, COMMON + SLEEP + ["--speculative-algorithm", "TREE_V4"],
                                      logs / "default.log", env=gpu_path)}
     with checks.healthy(started) as up:
@@ -57,13 +63,14 @@ def greedy_outputs(servers):
     return items, {name: checks.run_all(s, items, sampling) for name, s in servers.items()}
 
 
-@pytest.mark.parametrize("name", ["chain", "tree", "default"])
+@pytest.mark.parametrize("name", ["chain", "tree", "default", "chain_fp8"])
 def test_greedy_equals_plain_decoding(servers, greedy_outputs, name):
     items, outs = greedy_outputs
-    assert [o["output_ids"] for o in outs[name]] == [o["output_ids"] for o in outs["plain"]]
+    plain = "plain_fp8" if name.endswith("fp8") else "plain"
+    assert [o["output_ids"] for o in outs[name]] == [o["output_ids"] for o in outs[plain]]
     checks.assert_speculation_exercised(outs[name])
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    for item, ref in list(zip(items, outs["plain"], strict=True))[:4]:
+    for item, ref in list(zip(items, outs[plain], strict=True))[:4]:
         assert servers[name].generate({**item, "sampling_params": sampling})["output_ids"] == ref["output_ids"]
 
 
