@@ -8,6 +8,7 @@ S=γ) through real servers.
 * Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), chain and tree.
 * The radix cache: a request's tokens and verify rounds are those of a cold run of it after a hit (its context
   keys were written by the earlier request's prefill and commits, the cold run's by its own prefill).
+* Retraction (a pool too small for the batch) gives plain decoding's tokens.
 * ``--speculative-num-steps`` past the block size stops the launcher naming the flag and the block size; with no
   shape flag the server runs DSpark's chain (D = γ + 1).
 """
@@ -50,6 +51,9 @@ def servers(tmp_path_factory):
                                        env=srv.clean_env()),
                "chain_fp8": srv.launch(DSPARK, COMMON + SLEEP + FP8_CHUNKED + CHAIN, logs / "chain_fp8.log",
                                        env=srv.clean_env()),
+               # A pool of 1,024 tokens: 16 requests decoding 160 tokens each must be retracted and re-run.
+               "small": srv.launch(DSPARK, [a if a != "32768" else "1024" for a in COMMON] + SLEEP + CHAIN,
+                                   logs / "small.log", env=srv.clean_env()),
                "default": srv.launch(DSPARK, COMMON + SLEEP + ["--speculative-algorithm", "TREE_V4"],
                                      logs / "default.log", env=gpu_path)}
     with checks.healthy(started) as up:
@@ -60,7 +64,7 @@ def servers(tmp_path_factory):
 def greedy_outputs(servers):
     items = (checks.eval_prompts(servers["plain"]) * 2)[:32]
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    return items, {name: checks.run_all(s, items, sampling) for name, s in servers.items()}
+    return items, {name: checks.run_all(s, items, sampling) for name, s in servers.items() if name != "small"}
 
 
 @pytest.mark.parametrize("name", ["chain", "tree", "default", "chain_fp8"])
@@ -72,6 +76,18 @@ def test_greedy_equals_plain_decoding(servers, greedy_outputs, name):
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     for item, ref in list(zip(items, outs[plain], strict=True))[:4]:
         assert servers[name].generate({**item, "sampling_params": sampling})["output_ids"] == ref["output_ids"]
+
+
+def test_retracted_requests_give_plain_decodings_tokens(servers):
+    """Retraction frees a request's state and prefills it again later: its stage keys are rewritten by that
+    prefill, so the tokens are plain decoding's."""
+    items = checks.eval_prompts(servers["plain"])[:16]
+    sampling = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}
+    want = checks.run_all(servers["plain"], items, sampling)
+    got = checks.run_all(servers["small"], items, sampling)
+    assert "Retract requests" in servers["small"].log.read_text()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    checks.assert_speculation_exercised(got)
 
 
 def test_default_shape_is_dsparks_chain(servers, greedy_outputs):
