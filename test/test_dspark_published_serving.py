@@ -1,7 +1,8 @@
 """The embedded DSpark model written in DeepSeek's published layout (``save_published``: FP8 block-scaled attention,
 shared experts and ``main_proj``, FP4 experts, bf16 Markov and confidence heads, 2 shards + index) and kept
-quantized in the server: TREE_V4's DSpark chain at ``--tp 1`` and ``--tp 2`` gives the plain server's greedy tokens
-on the same checkpoint, with drafts accepted, and ``--tp 2`` runs two ranks."""
+quantized in the server: TREE_V4's DSpark chain at ``--tp 1`` and ``--tp 2`` and its best-first tree (D=12, K=4,
+S=γ) at ``--tp 2`` give the plain server's greedy tokens on the same checkpoint, with drafts accepted, and ``--tp 2``
+runs two ranks."""
 from __future__ import annotations
 
 import shutil
@@ -20,7 +21,9 @@ COMMON = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "8192",
           "--tokenizer-path", str(DSPARK)]  # transformers' config class rejects the embedded HCA ratio in this layout
 CHAIN = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "5", "--speculative-eagle-topk", "1",
          "--speculative-num-steps", "4"]
-SERVERS = {"plain": [], "chain": CHAIN, "chain-tp2": CHAIN + ["--tp", "2"]}
+TREE = ["--speculative-algorithm", "TREE_V4", "--speculative-num-draft-tokens", "12", "--speculative-eagle-topk", "4",
+        "--speculative-num-steps", "4"]
+SERVERS = {"plain": [], "chain": CHAIN, "chain-tp2": CHAIN + ["--tp", "2"], "tree-tp2": TREE + ["--tp", "2"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +39,11 @@ def servers(tmp_path_factory):
         yield up
 
 
-def test_quantized_dspark_chain_equals_plain_decoding_at_tp1_and_tp2(servers):
+def test_quantized_dspark_chain_and_tree_equal_plain_decoding_at_tp1_and_tp2(servers):
     items = checks.eval_prompts(servers["plain"])[:10]
     sampling = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
     want = [o["output_ids"] for o in checks.run_all(servers["plain"], items, sampling)]
-    for name in ("chain", "chain-tp2"):
+    for name in ("chain", "chain-tp2", "tree-tp2"):
         got = checks.run_all(servers[name], items, sampling)
         assert [o["output_ids"] for o in got] == want, name
         checks.assert_speculation_exercised(got)
