@@ -152,3 +152,67 @@ def test_configs():
             ds.DSparkConfig.from_dict({**base, **change}, 4, 100)
     with pytest.raises(ds.DSparkConfigError, match="dspark_markov_rank"):
         ds.DSparkConfig.from_dict({k: v for k, v in base.items() if k != "dspark_markov_rank"}, 4, 100)
+
+
+def test_context_after_rounds_with_rejections_equals_a_prefill(model):
+    """Prefill a prompt, then verify rounds of D = 5 chains whose drafts are the target's greedy tokens with one
+    corrupted at a random depth (or none): after the accepted-path commits (the target's rows and the stage keys
+    from the verify forward's taps, ``dspark_drafter.commit_context``) the stage keys of every committed position
+    equal those a prefill of the committed sequence writes. Position p sits in slot p + 1 (slot 0 is SGLang's padding
+slot, where unaccepted columns write). Negative control: keys taken from the next node's taps."""
+    from sglang_tree_v4.dsv4.storage import ForwardBatch
+    from sglang_tree_v4.dsv4.tree_state import build_verify_batch, commit
+    from sglang_tree_v4.speculative.dspark_drafter import commit_context
+
+    cfg, g = model.cfg, torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, cfg.vocab_size, (20,), generator=g).tolist()
+    with torch.no_grad():
+        greedy = list(prompt)
+        for _ in range(40):
+            greedy.append(int(model.forward_sequences(torch.tensor([greedy])).logits[0, -1].argmax()))
+
+    def run(shift: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        store, dstore = model.new_store(512), ds.new_dspark_store(cfg, model.dspark.dcfg, 512)
+        table = torch.full((1, 256), -1, dtype=torch.long)
+        table[0, :20] = torch.arange(20) + 1
+        rid = torch.zeros(1, dtype=torch.long)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            out = model(ForwardBatch(torch.tensor(prompt), torch.arange(20), torch.arange(20) + 1,
+                                     SlotTable.for_requests(table, torch.zeros(20, dtype=torch.long),
+                                                            torch.arange(20))), store, taps=TAPS)
+            ds.write_context(model, out.features, torch.arange(20), torch.arange(20) + 1, dstore)
+            L, rejected = 20, 0
+            for r in range(8):
+                drafts = greedy[L:L + 5]
+                bad = int(torch.randint(1, 6, (1,), generator=gen))  # depth 1-4 corrupted, 5: none
+                if bad < 5:
+                    drafts[bad] = (drafts[bad] + 1) % cfg.vocab_size
+                    rejected += 1
+                tokens = torch.tensor([drafts])
+                scratch = 300 + 5 * r + torch.arange(5)[None]
+                vb = build_verify_batch(table, rid, torch.tensor([L]), tokens, torch.tensor([[-1, 0, 1, 2, 3]]),
+                                        torch.tensor([5]), scratch)
+                out = model(vb.fb, store, taps=TAPS)
+                k = 0
+                while k < 4 and int(out.logits[k].argmax()) == drafts[k + 1]:
+                    k += 1
+                accepted = torch.tensor([[j if j <= k else -1 for j in range(5)]])
+                canonical = L + 1 + torch.arange(5)[None]
+                commit([store], table, rid, torch.tensor([L]), accepted, scratch, canonical)
+                index = torch.where(accepted >= 0, (accepted + shift).clamp(max=4), -1)
+                commit_context(model, dstore, out.features, index, table, torch.tensor([L]))
+                L += k + 1
+        return torch.stack([b[1:L + 1] for b in dstore.buffers]), table, rejected
+
+    got, table, rejected = run(0)
+    L = got.shape[1]
+    assert rejected >= 3 and L > 30 and table[0, :L].tolist() == list(range(1, L + 1))
+    fresh = ds.new_dspark_store(cfg, model.dspark.dcfg, 512)
+    with torch.no_grad():
+        feats = model.forward_sequences(torch.tensor([greedy[:L]]), taps=TAPS).features[0]
+        ds.write_context(model, feats, torch.arange(L), torch.arange(L) + 1, fresh)
+    want = torch.stack([b[1:L + 1] for b in fresh.buffers])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    wrong, _, _ = run(1)
+    assert wrong.shape == got.shape and not torch.allclose(wrong, want, rtol=1e-3, atol=1e-3)
