@@ -103,6 +103,17 @@ def test_the_servers_k1_tree_is_the_greedy_chain_and_k3_branches_on_exact_condit
             assert int(tree.tokens[b, i]) in cond.topk(3).indices.tolist()
 
 
+def test_markov_bias_in_a_bf16_drafter_is_the_fp32_one_rounded():
+    """A server in bf16 holds the Markov head in bf16: the bias is computed there, returned in fp32."""
+    head = ds.MarkovHead(100, 16)
+    seeded(head, 2)
+    prev = torch.tensor([3, 50, 99])
+    with torch.no_grad():
+        want, got = head(prev), head.to(torch.bfloat16)(prev)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
 def test_block_is_bidirectional_and_sees_exactly_the_last_window(model):
     L, W = 60, model.cfg.window
     store = context(model, L)

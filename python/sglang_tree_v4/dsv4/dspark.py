@@ -114,7 +114,8 @@ class MarkovHead(nn.Module):
         self.head = nn.Linear(rank, vocab, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(prev).float())
+        """The bias ``W2 · W1[prev]`` in fp32, computed in the head's own dtype (bf16 in a bf16 server)."""
+        return self.head(self.embed(prev)).float()
 
 
 class ConfidenceHead(nn.Module):
