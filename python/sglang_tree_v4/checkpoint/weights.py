@@ -404,16 +404,21 @@ def deepseek_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def deepseek_config(model: torch.nn.Module) -> dict:
+    """The model's DeepSeek ``config.json``, with its DSpark drafter's keys where it has one."""
+    config = model.cfg.to_deepseek_dict()
+    if getattr(model, "dspark", None) is not None:
+        config.update(model.dspark.dcfg.to_dict())
+    return config
+
+
 def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     """DeepSeek naming + DeepSeek ``config.json``."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     save_file(deepseek_state(model), os.path.join(path, "model.safetensors"))
-    config = model.cfg.to_deepseek_dict()
-    if getattr(model, "dspark", None) is not None:
-        config.update(model.dspark.dcfg.to_dict())
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+        json.dump(deepseek_config(model), f, indent=1)
 
 
 # DeepSeek's published dtypes for the tensors that are not quantized
@@ -462,9 +467,7 @@ def save_published(model: torch.nn.Module, path: str, max_shard_bytes: int = 1 <
         weight_map.update({k: file for k in tensors})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    config = model.cfg.to_deepseek_dict()
-    if getattr(model, "dspark", None) is not None:
-        config.update(model.dspark.dcfg.to_dict())
+    config = deepseek_config(model)
     config.update(torch_dtype="bfloat16", expert_dtype="fp4", quantization_config={
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
         "weight_block_size": [128, 128]})

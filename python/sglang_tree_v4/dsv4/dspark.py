@@ -42,6 +42,11 @@ class DSparkConfigError(ValueError):
     pass
 
 
+def block_size_of(raw: Mapping[str, Any]) -> int:
+    """``dspark_block_size`` of a DSpark checkpoint's config (rows of drafter scratch per request); 0 for an MTP one."""
+    return int(raw.get("dspark_block_size") or 0) if raw.get("dspark_target_layer_ids") else 0
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     block_size: int  # γ: rows of one drafting call, drafts per call

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..dsv4.config import CSA, HCA, DSV4Config
+from ..dsv4.dspark import block_size_of
 from ..dsv4.mtp import draft_scratch_rows
 from ..dsv4.storage import model_token_layouts, mtp_layouts, paged_layouts, ring_period
 from ..serving.sglang_pool import (
@@ -176,7 +177,7 @@ def state_report(raw: dict, tokens: int, requests: int, draft_tokens: int, topk:
     tree_slots = draft_tokens  # the verify block (the MTP drafts into its own scratch rows)
     # The drafter's scratch: K (S - 1) MTP draft rows, or a DSpark block's rows (its stage keys take the MTP
     # layers' place, one per stage: ``DSV4Config.from_dict``).
-    dspark_block = int(raw.get("dspark_block_size") or 0) if raw.get("dspark_target_layer_ids") else 0
+    dspark_block = block_size_of(raw)
     mtp_scratch = (dspark_block or draft_scratch_rows(topk, steps)) * row["mtp_scratch"]
     window_rows = window_rows_held(cfg) + tree_slots
     token_slots = tree_slots + page - 1  # beyond its committed tokens: the reservation and its last page's tail

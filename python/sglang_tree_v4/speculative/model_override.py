@@ -108,6 +108,7 @@ def state_pool(original, configurator, *args, **kwargs):
     """AROUND hook on ``KVCacheConfigurator._resolve_kv_pool_class(kind=...)``: for our model's MHA pools (both
     halves of the hybrid pool), the pool whose layers each have their own width."""
     from ..dsv4.config import DSV4Config
+    from ..dsv4.dspark import block_size_of
     from ..serving.sglang_model import ENTRY_FORMAT_ATTR, RAW_CONFIG_ATTR
     from ..serving.sglang_pool import (
         model_state_pool_class,
@@ -119,8 +120,7 @@ def state_pool(original, configurator, *args, **kwargs):
     if raw is None or kwargs.get("kind") != "mha":
         return original(configurator, *args, **kwargs)
     server_args = getattr(configurator, "server_args", None)
-    block = int(raw.get("dspark_block_size") or 0) if raw.get("dspark_target_layer_ids") else 0
-    scratch, mtp_scratch = scratch_rows_of(server_args, _max_requests.get(id(configurator)), block)
+    scratch, mtp_scratch = scratch_rows_of(server_args, _max_requests.get(id(configurator)), block_size_of(raw))
     entry_format = getattr(configurator.model_config.hf_config, ENTRY_FORMAT_ATTR, None)
     return model_state_pool_class(DSV4Config.from_dict(raw), scratch, entry_format, mtp_scratch,
                                   verify_tokens_of(server_args))

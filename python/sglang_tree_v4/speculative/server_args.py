@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsv4.config import DSV4Config, is_deepseek_v4, read_checkpoint_config
+from ..dsv4.dspark import DSparkConfig
 from ..serving.sglang_pool import check_page_size
 
 # Defaults when only --speculative-algorithm TREE_V4 is given: a real tree (K > 1). Among the D = 8 tree shapes
@@ -86,7 +87,6 @@ def drafter_kind(model_path: str, cfg: dict):
     ``mtp.*`` tensors disagree (a DSpark stage has ``main_proj`` on stage 0, an MTP layer ``e_proj``), stops naming
     both."""
     from ..checkpoint.weights import checkpoint_names
-    from ..dsv4.dspark import DSparkConfig
 
     dcfg = DSV4Config.from_dict(cfg)
     dspark = DSparkConfig.from_dict(cfg, dcfg.num_layers, dcfg.vocab_size)
@@ -164,10 +164,12 @@ def handle_server_args(server_args) -> None:
         raise ValueError("--enable-watermark is not supported with --speculative-algorithm TREE_V4: the watermark "
                          "biases each sampled token by its context, which the tree's verification does not "
                          "reproduce")
-    server_args.page_size = check_page_size(DSV4Config.from_dict(raw), server_args.page_size)
+    cfg = DSV4Config.from_dict(raw)
+    server_args.page_size = check_page_size(cfg, server_args.page_size)
     flags = (server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
              server_args.speculative_num_steps)
-    dspark = drafter_kind(server_args.model_path, raw)
+    # validate_model checked that keys and tensors agree (``drafter_kind``); the keys alone say which drafter.
+    dspark = DSparkConfig.from_dict(raw, cfg.num_layers, cfg.vocab_size)
     if dspark is not None:
         # DSpark's chain by default (its block: γ drafts, γ + 1 verified); the adaptive budget is MTP's for now.
         gamma = dspark.block_size

@@ -265,9 +265,8 @@ class TreeV4Worker(BaseSpecWorker):
         roots = []
         for i, (req, L, waiting) in enumerate(zip(batch.reqs, lens, pending, strict=True)):
             roots.append(0 if i in finished else _Output(req.output_ids, waiting)[-1])
-            if i not in finished and req.kv.kv_allocated_len < L + D:
-                raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request "
-                                   f"{req.rid}: {req.kv.kv_allocated_len} reserved, length {L}, D {D})")
+            if i not in finished:
+                _check_reserved(req, L, D)
         req_table = _inert(self.req_to_token_pool.req_to_token[batch.req_pool_indices].long(), finished)
         return dspark_drafter.draft_tree(self.adapter.model, self.adapter.stores()[1], req_table, batch.seq_lens,
                                          torch.tensor(roots, device=self.device), S, self.budget.topk, D,
@@ -314,10 +313,7 @@ class TreeV4Worker(BaseSpecWorker):
             roots.append(output[-1])
             setattr(req, MTP_LEN_ATTR, L)
             setattr(req, PREFILLED_TO_ATTR, None)
-            if req.kv.kv_allocated_len < L + D:
-                raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request {req.rid}: "
-                                   f"{req.kv.kv_allocated_len} reserved, {req.kv.kv_committed_len} committed, "
-                                   f"length {L}, D {D})")
+            _check_reserved(req, L, D)
         graphs = self._mtp_graphs() if self.fixed_shapes else None
         if fixed:
             root_draft = catch_up_fixed(model, mtp_store, streams, req_table, batch.seq_lens,
@@ -460,15 +456,15 @@ class TreeV4Worker(BaseSpecWorker):
         valid = accept_index >= 0
         predict[accept_index[valid]] = verdict.tokens[valid]
         accept_lens = verdict.accept_lens.to(torch.int32)
+        if S > 0 or self.dspark is not None:
+            table = _inert(self.req_to_token_pool.req_to_token[batch.req_pool_indices], finished)
         if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)
-            self.adapter.commit_tree_entries(accept_index, _inert(self.req_to_token_pool.req_to_token[
-                batch.req_pool_indices], finished), batch.seq_lens, D)
+            self.adapter.commit_tree_entries(accept_index, table, batch.seq_lens, D)
         if self.dspark is not None:  # the root's and the accepted nodes' stage keys, at their canonical slots
             dspark_drafter.commit_context(self.adapter.model, self.adapter.stores()[1], self.adapter.last_features,
-                                          accept_index, _inert(self.req_to_token_pool.req_to_token[
-                                              batch.req_pool_indices], finished), batch.seq_lens)
+                                          accept_index, table, batch.seq_lens)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens
@@ -529,6 +525,14 @@ def _finished_rows(batch) -> list[int]:
     between forming the batch and running it, so a request can finish and free its slots in between). Their
     round is discarded by the scheduler; they must not touch slots they no longer own."""
     return [i for i, req in enumerate(batch.reqs) if _is_finished(req)]
+
+
+def _check_reserved(req, L: int, D: int) -> None:
+    """A round verifies D nodes in the slots of positions ``L .. L + D - 1``, which SGLang must have reserved."""
+    if req.kv.kv_allocated_len < L + D:
+        raise RuntimeError(f"TREE_V4: fewer reserved KV slots than the verify block needs (request {req.rid}: "
+                           f"{req.kv.kv_allocated_len} reserved, {req.kv.kv_committed_len} committed, "
+                           f"length {L}, D {D})")
 
 
 def _inert(table: torch.Tensor, dead: list[int]) -> torch.Tensor:

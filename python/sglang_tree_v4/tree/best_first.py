@@ -1,12 +1,12 @@
 """Best-first draft trees over a drafter's exact conditionals: the top paths by draft probability.
 
 A block drafter such as DSpark (``dsv4.dspark``) gives, after one backbone pass, the exact conditional of the token
-at depth ``d`` given any parent token (``conditional(d, parents) -> logits``). Then the ``N`` most probable paths
-(rooted at the request's bonus token, depth <= S, at most K children per node) can be found exactly: a path's
-score, the sum of its tokens' log-probabilities, never exceeds its parent's, so a best-first search that pops the
-highest-scoring candidate and only then offers its first child and its next sibling pops nodes in score order,
-every popped node's parent already in the tree (prefix-closed). Each node's children are the top-K of its *own*
-conditional (given its own token), computed once when it is popped.
+at depth ``d + 1`` given any parent token at depth ``d`` (``conditional(d, tokens, rows) -> logits``). Then the
+``N`` most probable paths (rooted at the request's bonus token, depth <= S, at most K children per node) can be
+found exactly: a path's score, the sum of its tokens' log-probabilities, never exceeds its parent's, so a
+best-first search that pops the highest-scoring candidate and only then offers its first child and its next
+sibling pops nodes in score order, every popped node's parent already in the tree (prefix-closed). Each node's
+children are the top-K of its *own* conditional (given its own token), computed once when it is popped.
 
 One heap per request; each round pops one node per request and computes the new nodes' conditionals in one
 batched call. It reads scores back to the host, so it is an eager step (not captured in a graph).
@@ -21,8 +21,8 @@ import torch
 from .draft_tree import DraftTree
 
 
-def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tensor], torch.Tensor], num_steps: int,
-                    topk: int, num_nodes: int, score_temperature: float | torch.Tensor = 1.0,
+def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+                    num_steps: int, topk: int, num_nodes: int, score_temperature: float | torch.Tensor = 1.0,
                     logits_hook: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> DraftTree:
     """``roots [B]``; ``conditional(d, tokens [n], rows [n]) -> logits [n, V]``: the distribution of the token at
     depth ``d + 1`` below a node at depth ``d`` holding ``tokens``, for requests ``rows``; ``num_nodes`` = D with
@@ -38,8 +38,9 @@ def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tenso
     parents = [[-1] for _ in range(B)]
     logprobs = [[0.0] for _ in range(B)]
     paths: list[list[list[int]]] = [[[]] for _ in range(B)]  # tokens below the root, per node
-    children: list[list[tuple[list[float], list[int]]]] = [[] for _ in range(B)]
-    heaps: list[list] = [[] for _ in range(B)]
+    scores = [[0.0] for _ in range(B)]
+    children: list[dict[int, tuple[list[float], list[int]]]] = [{} for _ in range(B)]  # node -> top-K (lp, tokens)
+    heaps: list[list] = [[] for _ in range(B)]  # (-score, parent node, rank among its children)
 
     def expand(rows: list[int], nodes: list[int]) -> None:
         """Children lists of node ``nodes[i]`` of request ``rows[i]`` (at depth < S), and their first children
@@ -60,13 +61,9 @@ def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tenso
                 logits = logits / temps[torch.tensor(rs, device=device)][:, None]
             lp, top = logits.log_softmax(-1).topk(topk, -1)
             for b, n, lps, ts in zip(rs, ns, lp.tolist(), top.tolist(), strict=True):
-                children[b].append((lps, ts))
+                children[b][n] = (lps, ts)
                 heapq.heappush(heaps[b], (-(scores[b][n] + lps[0]), n, 0))
 
-    scores = [[0.0] for _ in range(B)]
-    slot_of = [dict() for _ in range(B)]  # node -> index of its children list
-    for b in range(B):
-        slot_of[b][0] = 0
     if num_nodes > 1:
         expand(list(range(B)), [0] * B)
     for _ in range(num_nodes - 1):
@@ -75,7 +72,7 @@ def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tenso
             if not heaps[b]:
                 continue
             neg, parent, rank = heapq.heappop(heaps[b])
-            lps, ts = children[b][slot_of[b][parent]]
+            lps, ts = children[b][parent]
             node = len(tokens[b])
             tokens[b].append(ts[rank])
             parents[b].append(parent)
@@ -85,7 +82,6 @@ def best_first_tree(roots: torch.Tensor, conditional: Callable[[int, torch.Tenso
             if rank + 1 < topk:
                 heapq.heappush(heaps[b], (-(scores[b][parent] + lps[rank + 1]), parent, rank + 1))
             if len(paths[b][node]) < num_steps:
-                slot_of[b][node] = len(children[b])
                 rows.append(b)
                 nodes.append(node)
         if rows:
