@@ -166,6 +166,7 @@ def plot(rows: list[dict], path: Path, budget: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from plot import save_batch_panels
     datasets = sorted({r["dataset"] for r in rows})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), squeeze=False)
     for ax, ds in zip(axes[0], datasets, strict=False):
@@ -174,15 +175,8 @@ def plot(rows: list[dict], path: Path, budget: int) -> None:
                          if r["dataset"] == ds and r["shape"] == shape and r["budget"] == d)
             if pts:
                 ax.plot(*zip(*pts, strict=False), "o-", color=color, label=f"{shape}" + (f" D={d}" if d > 1 else ""))
-        ax.set_xscale("log", base=2)
         ax.set_title(f"{ds} (predicted, 4xH200)")
-        ax.set_xlabel("batch size")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("output tokens/s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_batch_panels(fig, axes, path, "output tokens/s", "batch size")
 
 
 def main() -> None:

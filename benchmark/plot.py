@@ -85,17 +85,24 @@ def plot_throughput(records: list[dict], out: Path) -> Path:
                      if r["dataset"] == ds and r["shape"] == "none")
         if pts:
             ax.plot(*zip(*pts, strict=False), "^-", color=COLORS["none"], label="no speculation")
-        ax.set_xscale("log", base=2)
         ax.set_title(ds)
-        ax.set_xlabel("batch size (requests in flight)")
+    path = out / "tree_vs_chain_throughput.png"
+    save_batch_panels(fig, axes, path)
+    return path
+
+
+def save_batch_panels(fig, axes, path: Path, ylabel: str = "output throughput (tokens/s)",
+                      xlabel: str = "batch size (requests in flight)") -> None:
+    """Panels of some quantity against the batch size (log 2), the legend in the first: finish and write them."""
+    for ax in axes[0]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("output throughput (tokens/s)")
+    axes[0][0].set_ylabel(ylabel)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path = out / "tree_vs_chain_throughput.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return path
 
 
 def ratio_grid(records: list[dict], ds: str, key: str = "output_throughput") -> tuple[list[int], list[int], list]:

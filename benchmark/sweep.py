@@ -4,7 +4,7 @@
         [--batch-sizes 1 2 4 8 16 32 64] [--shapes tree chain none] [--tree-shapes 4:4 2:6]
         [--model-path models/tiny-v4] [--num-prompts N | --min-prompts 8 --waves 1] [--max-new-tokens 64]
         [--repeats 1] [--warmup-runs 1] [--device cpu] [--out benchmark/results/tree_vs_chain_cpu.jsonl] [--resume]
-        [--reuse-step-times]
+        [--reuse-step-times] [--servers tree:16:4:4 chain:5:1:4 none adaptive mtp_tree:8:3:4 --max-servers 5]
 
 One server per (shape, budget) (no speculation: one server in all), reused for every dataset and batch size:
 the per-request ``meta_info`` counts make restarts unnecessary. The servers of one budget (tree and chain) run
@@ -17,7 +17,9 @@ timed its shapes there), which made the first of three runs the slowest on every
 per point (fields: ``bench_common.RECORD_FIELDS`` plus timing extras), flushed as it is measured so a cut-short
 run keeps its points. An adaptive server (``--shapes adaptive``) measures its step times at startup into the run's
 own cache folder (``--reuse-step-times``: read the user's cache, as a restarted server would). The tree's (K, S)
-per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes.
+per budget is ``bench_common.tree_shape``; ``--tree-shapes`` replaces it with explicit shapes. ``--servers`` names
+each server instead, ``mtp_tree`` being a tree on the MTP checkpoint ``--mtp-model-path`` (DSpark against MTP on the
+same target; records name their model).
 """
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", nargs="+", choices=bc.SHAPES, default=list(bc.SHAPES))
     ap.add_argument("--tree-shapes", nargs="+", default=None, metavar="K:S",
                     help="explicit tree shapes instead of the per-budget rule (each run at every budget)")
+    ap.add_argument("--servers", nargs="+", default=None, metavar="SHAPE[:D:K:S]",
+                    help="explicit servers instead of --shapes x --budgets, e.g. tree:16:4:4 chain:5:1:4 none "
+                         "adaptive mtp_tree:8:3:4 (mtp_tree: a tree on --mtp-model-path, beside --model-path's)")
+    ap.add_argument("--mtp-model-path", default=str(bc.ROOT / "models" / "tiny-v4"),
+                    help="the MTP checkpoint of --servers mtp_tree (same target as --model-path: a DSpark model's "
+                         "tiny-v4)")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts per point (default max(waves x bs, min-prompts))")
     ap.add_argument("--min-prompts", type=int, default=8)
@@ -85,8 +93,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def adaptive_config(model_path: str) -> tuple[str, int, int, int]:
+    """The adaptive server's record fields: its largest shape (DSpark's own for a DSpark checkpoint)."""
+    from sglang_tree_v4.dsv4.config import DSV4Config, read_checkpoint_config
+    from sglang_tree_v4.dsv4.dspark import DSparkConfig
+    from sglang_tree_v4.speculative.server_args import (
+        DEFAULT_DRAFT_TOKENS,
+        DEFAULT_STEPS,
+        DEFAULT_TOPK,
+        dspark_adaptive_budget,
+    )
+    raw = read_checkpoint_config(model_path)
+    cfg = DSV4Config.from_dict(raw)
+    dspark = DSparkConfig.from_dict(raw, cfg.num_layers, cfg.vocab_size)
+    if dspark is not None:
+        return ("adaptive", *dspark_adaptive_budget(dspark.block_size))
+    return "adaptive", DEFAULT_DRAFT_TOKENS, DEFAULT_TOPK, DEFAULT_STEPS
+
+
+def explicit_configs(specs: list[str], model_path: str) -> list[tuple[str, int, int, int]]:
+    """``--servers``: SHAPE:D:K:S each (``none``, ``adaptive``: no numbers)."""
+    out = []
+    for spec in specs:
+        shape, *numbers = spec.split(":")
+        if shape == "none" and not numbers:
+            out.append(("none", 1, 0, 0))
+        elif shape == "adaptive" and not numbers:
+            out.append(adaptive_config(model_path))
+        elif shape in ("tree", "chain", "mtp_tree") and len(numbers) == 3:
+            out.append((shape, *(int(x) for x in numbers)))
+        else:
+            raise SystemExit(f"--servers {spec!r}: expected tree|chain|mtp_tree:D:K:S, none or adaptive")
+    return out
+
+
 def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     """(shape, budget, topk, num_steps) of each server to start, in run order."""
+    if args.servers:
+        return explicit_configs(args.servers, args.model_path)
     out = []
     for d in args.budgets:
         if "tree" in args.shapes:
@@ -98,12 +142,7 @@ def server_configs(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     if "none" in args.shapes:
         out.append(("none", 1, 0, 0))
     if "adaptive" in args.shapes:
-        from sglang_tree_v4.speculative.server_args import (
-            DEFAULT_DRAFT_TOKENS,
-            DEFAULT_STEPS,
-            DEFAULT_TOPK,
-        )
-        out.append(("adaptive", DEFAULT_DRAFT_TOKENS, DEFAULT_TOPK, DEFAULT_STEPS))
+        out.append(adaptive_config(args.model_path))
     return out
 
 
@@ -147,6 +186,10 @@ def _median_run(ms: list[dict]) -> dict:
     return m
 
 
+def model_path(cfg: tuple, args: argparse.Namespace) -> str:
+    return args.mtp_model_path if cfg[0] == "mtp_tree" else args.model_path
+
+
 def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: Path, out, bar) -> int:
     """Start the group's servers (an adaptive one first), then measure each point on each server in turn, so that
     the shapes compared at a point see the same background load (the machine may be shared). -> failed
@@ -165,8 +208,8 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
             # machine (a test run beside it) would be read back as this machine's step times.
             env = None if shape != "adaptive" or args.reuse_step_times else launcher.clean_env(
                 XDG_CACHE_HOME=str(log_dir / "step_time_cache"))
-            servers[cfg] = bench_server.launch(args.model_path, args.device, flags + args.server_args.split(), log,
-                                               env=env)
+            servers[cfg] = bench_server.launch(model_path(cfg, args), args.device, flags + args.server_args.split(),
+                                               log, env=env)
             if shape == "adaptive":
                 try:
                     bench_server.wait_healthy(servers[cfg])
@@ -209,7 +252,7 @@ def run_group(group, points, args, texts, n_for, sampling, provenance, log_dir: 
                     shape, budget, topk, steps = cfg
                     m = _median_run(ms)
                     rec = {"dataset": ds, "budget": budget, "batch_size": bs, "shape": shape, "topk": topk,
-                           "num_steps": steps, **m, **provenance, "timestamp": time.time()}
+                           "num_steps": steps, **m, **provenance[model_path(cfg, args)], "timestamp": time.time()}
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
                     bar.update(1)
@@ -232,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     texts = {ds: bench_prompts.chat_texts(args.model_path, ds, max(n_for.values())) for ds in args.datasets}
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "ignore_eos": not args.respect_eos}
-    provenance = {"model": Path(args.model_path).name, "model_sha256": bc.weights_digest(args.model_path),
-                  "draft_score_temperature": checkpoint_score_temperature(args.model_path), "device": args.device,
-                  "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
-                  "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                  "ignore_eos": not args.respect_eos}
     configs = server_configs(args)
+    provenance = {path: {"model": Path(path).name, "model_sha256": bc.weights_digest(path),
+                         "draft_score_temperature": checkpoint_score_temperature(path), "device": args.device,
+                         "sglang_version": bc.sglang_version(), "git_commit": bc.git_commit(),
+                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                         "ignore_eos": not args.respect_eos}
+                  for path in {model_path(c, args) for c in configs}}
     points = [(c, ds, bs) for c in configs for ds in args.datasets for bs in args.batch_sizes
               if (ds, c[1], bs, c[0], c[2], c[3]) not in done]
     failures = 0

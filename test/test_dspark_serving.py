@@ -2,15 +2,15 @@
 S=γ) through real servers.
 
 * Greedy: 32 concurrent mixed-length requests and 4 one by one give plain decoding's tokens, with drafts accepted,
-  on the CPU's step and on the GPU's (the default chain with fixed shapes, overlap scheduling, graphs through their
-  eager stand-in, which return the taps too), and with fp8 state and prompts prefilled in chunks of 64 (against
+  on the CPU's step and on the GPU's (the adaptive default with fixed shapes, overlap scheduling, graphs through
+  their eager stand-in, which return the taps too), and with fp8 state and prompts prefilled in chunks of 64 (against
   a plain server with the same flags).
 * Sampled: the powered distribution test of the MTP path (``test_tree_v4_serving``), chain and tree.
 * The radix cache: a request's tokens and verify rounds are those of a cold run of it after a hit (its context
   keys were written by the earlier request's prefill and commits, the cold run's by its own prefill).
 * Retraction (a pool too small for the batch) gives plain decoding's tokens.
 * ``--speculative-num-steps`` past the block size stops the launcher naming the flag and the block size; with no
-  shape flag the server runs DSpark's chain (D = γ + 1).
+  shape flag the server runs the adaptive budget over DSpark's trees (``server_args.dspark_adaptive_budget``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 
 from sglang_tree_v4.serving.sglang_model import FIXED_SHAPES_ENV
 from sglang_tree_v4.serving.step_graphs import GRAPHS_ENV
@@ -90,10 +91,17 @@ def test_retracted_requests_give_plain_decodings_tokens(servers):
     checks.assert_speculation_exercised(got)
 
 
-def test_default_shape_is_dsparks_chain(servers, greedy_outputs):
+def test_default_is_the_adaptive_budget_over_dspark_trees(servers, greedy_outputs):
+    """No shape flag: the adaptive budget, up to D=16 K=4 S=γ, timed at startup with DSpark's own round (block pass,
+    best-first search), served trees of several shapes (its choices and explorations) through the graphs."""
     log = servers["default"].log.read_text()
-    assert f"D={GAMMA + 1} K=1 S={GAMMA}" in log, log[-2000:]
+    assert f"D=16 K=4 S={GAMMA} (the largest shape of the adaptive budget)" in log, log[-2000:]
+    assert f"draft steps [{GAMMA}]" in log  # one block pass timed: it drafts every depth at once
     assert "TREE_V4 graphs: captured verify" in log and "captured draft" not in log  # DSpark drafts need no graph
+    info = requests.get(servers["default"].url + "/get_server_info", timeout=60).json()["internal_states"][0]
+    assert info["tree_v4_adaptive"] is True
+    trees = [k for k in info["tree_v4_shape_steps"] if k != "none"]
+    assert len(trees) >= 2, info  # the largest shape first (warm-up), then its own choices
 
 
 @pytest.mark.parametrize("name", ["chain", "tree"])

@@ -45,6 +45,13 @@ def draft_tree(model, store: SlotStore, req_table: torch.Tensor, lens: torch.Ten
     if steps > gamma:
         raise ValueError(f"a DSpark drafter of block size {gamma} drafts at most {gamma} steps, asked for {steps}")
     out = block_pass(model, store, req_table, lens, roots)
+    return search(model, out, roots, steps, topk, draft_tokens, score_temperature, logits_hook)
+
+
+def search(model, out: ds.BlockOutput, roots: torch.Tensor, steps: int, topk: int, draft_tokens: int,
+           score_temperature=1.0, logits_hook=None) -> DraftTree:
+    """The best-first tree over a block pass's exact conditionals: no forward, one small product per node. Its
+    cost grows with ``draft_tokens``, hardly with ``steps`` (the adaptive budget's startup timing counts it so)."""
 
     def conditional(depth: int, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return ds.conditional_logits(model, out.logits[rows, depth], tokens)

@@ -23,6 +23,8 @@ DEFAULT_DRAFT_TOKENS = 8
 DEFAULT_TOPK = 3
 DEFAULT_STEPS = 4
 MAX_DRAFT_TOKENS = 64
+DSPARK_DRAFT_TOKENS = 16  # the largest D and the K of the adaptive budget over DSpark (``dspark_adaptive_budget``)
+DSPARK_TOPK = 4
 MAX_TOPK = 16
 
 
@@ -41,6 +43,14 @@ def max_tree_nodes(topk: int, steps: int) -> int:
     """Nodes an S-step, top-K dynamic tree can offer besides the root: K children of the root, then K*K candidates
     per further step (K frontier nodes times K children)."""
     return topk + (steps - 1) * topk * topk
+
+
+def dspark_adaptive_budget(block_size: int) -> tuple[int, int, int]:
+    """(D, K, S), the largest shape of the adaptive budget over a DSpark drafter of ``block_size`` γ: depth γ (its
+    block), K = ``DSPARK_TOPK`` and D up to ``DSPARK_DRAFT_TOKENS``. Its draft costs one block pass at every shape,
+    so the menu reaches further than the MTP's, whose every depth is a forward (RESULTS, "DSpark": on the embedded
+    model the tree accepted most at D = 16)."""
+    return min(DSPARK_DRAFT_TOKENS, 1 + max_tree_nodes(DSPARK_TOPK, block_size)), DSPARK_TOPK, block_size
 
 
 def validate_budget(draft_tokens: int | None, topk: int | None, steps: int | None) -> TreeBudget:
@@ -170,17 +180,16 @@ def handle_server_args(server_args) -> None:
              server_args.speculative_num_steps)
     # validate_model checked that keys and tensors agree (``drafter_kind``); the keys alone say which drafter.
     dspark = DSparkConfig.from_dict(raw, cfg.num_layers, cfg.vocab_size)
+    adaptive = all(v is None for v in flags)
     if dspark is not None:
-        # DSpark's chain by default (its block: γ drafts, γ + 1 verified); the adaptive budget is MTP's for now.
         gamma = dspark.block_size
-        if all(v is None for v in flags):
-            server_args.speculative_eagle_topk, server_args.speculative_num_steps = 1, gamma
-            server_args.speculative_num_draft_tokens = gamma + 1
-            flags = (gamma + 1, 1, gamma)
+        if adaptive:  # the adaptive budget over DSpark's trees, up to its largest shape
+            server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk, \
+                server_args.speculative_num_steps = dspark_adaptive_budget(gamma)
         elif server_args.speculative_num_steps is not None and server_args.speculative_num_steps > gamma:
             raise ValueError(f"--speculative-num-steps {server_args.speculative_num_steps}: this checkpoint's DSpark "
                              f"drafter drafts blocks of dspark_block_size = {gamma} tokens, so at most {gamma} steps")
-    os.environ[ADAPTIVE_ENV] = "1" if all(v is None for v in flags) else "0"
+    os.environ[ADAPTIVE_ENV] = "1" if adaptive else "0"
     budget = validate_budget(server_args.speculative_num_draft_tokens, server_args.speculative_eagle_topk,
                              server_args.speculative_num_steps)
     if dspark is not None and budget.steps > dspark.block_size:  # steps filled from the other flags

@@ -2,7 +2,8 @@
 
 At startup the worker times the real pieces of a decode round on private scratch state (its own small slot
 stores, never SGLang's pool; zeros cost the same as real state): the MTP draft (catch-up + ``build_draft_tree``
-over S steps) and the target's tree-verify forward of D tokens per request, at the batch sizes of
+over S steps), or DSpark's block pass and best-first search (``_measure_dspark``), and the target's tree-verify
+forward of D tokens per request, at the batch sizes of
 ``MEASURE_BATCHES`` up to the largest, for the S and D of ``startup_plan`` (on a CPU every S and the D of
 ``verify_widths``; on a GPU a few, interpolated between). Every point is timed once per pass, in the plan's passes
 over the whole grid, and keeps its fastest; then, per batch size, the times are made non-decreasing in D and in S
@@ -27,10 +28,12 @@ from typing import Callable
 
 import torch
 
+from ...dsv4 import dspark as ds
 from ...dsv4.mtp import draft_scratch_rows, new_mtp_store, new_streams_store
 from ...dsv4.storage import ForwardBatch
 from ...serving.sglang_model import fixed_shapes, verify_caps, verify_table
 from ...tree import build_draft_tree
+from .. import dspark_drafter
 from ..mtp_drafter import MTPTreeDrafter, catch_up
 from .config import DEFAULT, PolicyConfig
 from .timing import Curve, StepTimes
@@ -91,14 +94,15 @@ class StartupPlan:
 
 
 def startup_plan(max_tokens: int, topk: int, max_steps: int, max_batch: int, device: torch.device,
-                 config: PolicyConfig = DEFAULT) -> StartupPlan:
+                 config: PolicyConfig = DEFAULT, block_drafter: bool = False) -> StartupPlan:
     """On a CPU every S and the D of ``verify_widths`` in ``MEASURE_PASSES`` passes; on a GPU the first, middle
-    and last S, D at powers of two and the largest, in ``MEASURE_PASSES_GPU`` passes."""
+    and last S, D at powers of two and the largest, in ``MEASURE_PASSES_GPU`` passes. A block drafter (DSpark)
+    drafts every S in one pass, so its draft is timed once (at the largest S)."""
     batches = tuple(sorted({b for b in config.MEASURE_BATCHES if b <= max_batch} | {max_batch}))
     if torch.device(device).type != "cuda":
-        return StartupPlan(batches, tuple(range(1, max_steps + 1)), tuple(verify_widths(max_tokens)),
-                           config.MEASURE_PASSES)
-    steps = tuple(sorted({1, (max_steps + 1) // 2, max_steps}))
+        steps = (max_steps,) if block_drafter else tuple(range(1, max_steps + 1))
+        return StartupPlan(batches, steps, tuple(verify_widths(max_tokens)), config.MEASURE_PASSES)
+    steps = (max_steps,) if block_drafter else tuple(sorted({1, (max_steps + 1) // 2, max_steps}))
     widths = tuple(sorted({d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= max_tokens} | {max_tokens}))
     return StartupPlan(batches, steps, widths, config.MEASURE_PASSES_GPU)
 
@@ -111,12 +115,15 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
     cfg = model.cfg
     dtype = model.embed.weight.dtype
     context = config.MEASURE_CONTEXT
-    plan = startup_plan(max_tokens, topk, max_steps, max_batch, device, config)
+    dspark = model.dspark is not None
+    plan = startup_plan(max_tokens, topk, max_steps, max_batch, device, config, block_drafter=dspark)
     logger.info("TREE_V4 adaptive budget: timing %s", plan.describe())
     batches = list(plan.batches)
     width = context + max_tokens
     slots = max(batches) * width
     store = model.new_store(slots, dtype, device)
+    if dspark:
+        return _measure_dspark(model, store, plan, width, context, max_tokens, topk, max_steps, device, config)
     mtp_store = new_mtp_store(cfg, slots, dtype, device, max(batches) * draft_scratch_rows(topk, max_steps))
     streams = new_streams_store(cfg, slots, dtype, device)
     times = StepTimes(config=config)
@@ -125,6 +132,56 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
                 StepTimes(config=config), passes=1)
     _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps,
                 list(plan.draft_steps), list(plan.verify_widths), device, times, passes=plan.passes)
+    return times
+
+
+def _measure_dspark(model, store, plan: StartupPlan, width: int, context: int, max_tokens: int, topk: int,
+                    max_steps: int, device: torch.device, config: PolicyConfig) -> StepTimes:
+    """``measure`` for a DSpark drafter. Its round is one block pass (the same at every S: ``draft``) and a best-first
+    search whose cost grows with the nodes it pops, so each verify curve point of D is the search of D nodes plus
+    the verify forward of D tokens (with the taps the drafter's context needs). A tree of D nodes costs about the
+    same whatever its tokens, so the synthetic requests' trees stand for served ones."""
+    cfg, dcfg = model.cfg, model.dspark.dcfg
+    dtype = model.embed.weight.dtype
+    batches = list(plan.batches)
+    dstore = ds.new_dspark_store(cfg, dcfg, max(batches) * width, dtype, device,
+                                 block_rows=max(batches) * dcfg.block_size)
+    taps = tuple(dcfg.target_layer_ids)
+    fastest: dict[tuple, float] = {}
+
+    def timed(key, run):
+        start = time.perf_counter()
+        out = run()
+        _sync(device)
+        fastest[key] = min(fastest.get(key, float("inf")), time.perf_counter() - start)
+        return out
+
+    def one_pass(batch_sizes, widths):
+        for bs in batch_sizes:
+            table = torch.arange(bs * width, device=device).view(bs, width)
+            prefix = torch.full((bs,), context, device=device)
+            roots = torch.ones(bs, dtype=torch.long, device=device)
+            block = timed(("draft", bs), lambda table=table, prefix=prefix, roots=roots:
+                          dspark_drafter.block_pass(model, dstore, table, prefix, roots))
+            for d in widths:
+                def step(d=d, bs=bs, table=table, prefix=prefix, roots=roots, block=block):
+                    tokens = roots[:, None]
+                    if d > 1:
+                        tokens = dspark_drafter.search(model, block, roots, max_steps, topk, d).tokens
+                    return verify_forward(model, store, table, prefix, tokens, tokens.shape[1], taps)
+                timed(("verify", bs, d), step)
+
+    one_pass(batches[:1], [1, 2])  # untimed: lazy initialisation must not count as a step
+    fastest.clear()
+    for _ in range(plan.passes):
+        one_pass(batches, plan.verify_widths)
+    times = StepTimes(config=config)
+    for bs in batches:
+        for s in range(1, max_steps + 1):
+            times.draft.setdefault(s, Curve()).add(bs, fastest[("draft", bs)])
+        seconds = monotone([fastest[("verify", bs, d)] for d in plan.verify_widths])
+        for d, t in zip(plan.verify_widths, seconds, strict=True):
+            times.verify.setdefault(d, Curve()).add(bs, t)
     return times
 
 
@@ -185,9 +242,10 @@ def monotone(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
-def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, d: int):
+def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, tokens: torch.Tensor, d: int,
+                   taps: tuple[int, ...] = ()):
     """The target's tree-verify forward of ``d`` nodes per request (as the SGLang adapter runs it), here as a
-    chain of the given tokens (the cost depends on the node count, not on the shape)."""
+    chain of the given tokens (the cost depends on the node count, not on the shape); ``taps`` as the adapter's."""
     bs = tokens.shape[0]
     device = tokens.device
     mask = torch.tril(torch.ones(d, d, dtype=torch.bool, device=device)).expand(bs, d, d).flatten()
@@ -197,7 +255,7 @@ def verify_forward(model, store, table: torch.Tensor, prefix: torch.Tensor, toke
     slot_table, entry_out = verify_table(table, prefix, mask, out_slots, d)
     caps = verify_caps(prefix, d, table.shape[1])
     batch = ForwardBatch(tokens.flatten().long(), positions, out_slots, slot_table, caps, entry_out)
-    return model(batch, store)
+    return model(batch, store, taps=taps)
 
 
 def read_cache(path: str, config: PolicyConfig = DEFAULT) -> StepTimes | None:
