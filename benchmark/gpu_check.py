@@ -52,7 +52,7 @@ from bench_common import git_commit  # noqa: E402
 from gpu_verify_cost import timed_ms  # noqa: E402
 
 KERNELS = ("tree_sparse_attention", "compress_entries", "fp8_block_linear", "routed_experts_fp4", "hc_pre",
-           "hc_post", "rms_norm", "indexer_scores")
+           "hc_post", "rms_norm", "indexer_scores", "moe_route")
 
 
 class Recorder:
@@ -111,6 +111,7 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     from sgl_kernel_ext.fp8_linear import fp8_block_linear
     from sgl_kernel_ext.hyper_connection import hc_post, hc_post_ref, hc_pre, hc_pre_ref
     from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
+    from sgl_kernel_ext.moe_route import moe_route, moe_route_ref
     from sgl_kernel_ext.rms_norm import rms_norm, rms_norm_ref
     from sgl_kernel_ext.routed_experts import routed_experts, routed_experts_ref
     from sgl_kernel_ext.weight_formats import fp8_block_matmul, quantize_fp4, quantize_fp8_block
@@ -169,6 +170,14 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     ix_args = (q, wq, keys, rows, ihd ** -0.5)
     out["indexer_scores"] = (lambda: indexer_scores(*ix_args, backend="triton"),
                              lambda: indexer_scores_ref(*ix_args), "sgl_kernel_ext::indexer_scores", ix_args, 1e-4)
+    # The router: all 256 experts' weights (replicated on every rank), top 6 with V4's bias; the error is the
+    # weights' (the experts chosen agree up to a flipped rounding at a near tie).
+    gate = (torch.randn(16 if dry else 256, hidden, device=dev) * hidden ** -0.5).to(bf)
+    gbias = torch.randn(gate.shape[0], device=dev) * 0.1
+    mr_args = (x, gate, gbias, 6, 2.5, "sqrtsoftplus")
+    out["moe_route"] = (lambda: moe_route(*mr_args, backend="triton")[1].sort(-1).values,
+                        lambda: moe_route_ref(*mr_args)[1].sort(-1).values, "sgl_kernel_ext::moe_route", mr_args,
+                        2e-2)
     return out
 
 

@@ -76,3 +76,43 @@ def test_estimate_from_gpu_check_records():
     assert abs(seconds("verify", 1, 1) - 10 * 2.0e-3) < 1e-12
     assert abs(seconds("verify", 1, 8) - 10 * 4.0e-3) < 1e-12
     assert abs(seconds("draft", 16, 3) - 3 * 4.0e-3) < 1e-12
+
+
+def test_a_dspark_drafter_is_timed_as_one_block_pass_and_a_search_per_width(monkeypatch):
+    """DSpark drafts every depth in one block pass: ``draft(S)`` is that pass, the same at every S, timed once per
+    batch size; the best-first search of D nodes is timed with the verify forward of D (its cost grows with D)."""
+    from dataclasses import replace
+
+    from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.speculative import dspark_drafter
+    from sglang_tree_v4.speculative.server_args import dspark_adaptive_budget
+
+    assert dspark_adaptive_budget(4) == (16, 4, 4) and dspark_adaptive_budget(1) == (5, 4, 1)
+    model = load_model(str(ROOT / "models" / "tiny-v4-dspark"))
+    calls = {"block": 0, "search": []}
+    block_pass, search = dspark_drafter.block_pass, dspark_drafter.search
+
+    def counted_block(*args, **kwargs):
+        calls["block"] += 1
+        return block_pass(*args, **kwargs)
+
+    def counted_search(model, out, roots, steps, topk, draft_tokens, *args, **kwargs):
+        calls["search"].append((roots.shape[0], steps, topk, draft_tokens))
+        return search(model, out, roots, steps, topk, draft_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(dspark_drafter, "block_pass", counted_block)
+    monkeypatch.setattr(dspark_drafter, "search", counted_search)
+    config = replace(DEFAULT, MEASURE_PASSES=2, MEASURE_BATCHES=(1,))
+    times = measure.measure(model, 6, 4, 4, 2, torch.device("cpu"), config)
+    plan = measure.startup_plan(6, 4, 4, 2, torch.device("cpu"), config, block_drafter=True)
+    assert plan.draft_steps == (4,) and plan.batches == (1, 2)
+    assert sorted(times.draft) == [1, 2, 3, 4] and sorted(times.verify) == list(plan.verify_widths)
+    for b in (1, 2):
+        assert len({times.draft[s](b) for s in range(1, 5)}) == 1
+        widths = [times.verify[d](b) for d in plan.verify_widths]
+        assert widths == sorted(widths) and all(t > 0 for t in widths)
+    # one warm-up pass (batch 1, D = 1 and 2), then two passes over both batch sizes and every D > 1
+    assert calls["block"] == 1 + 2 * 2
+    wide = [d for d in plan.verify_widths if d > 1]
+    assert sorted(calls["search"]) == sorted([(1, 4, 4, 2)] + [(b, 4, 4, d) for _ in range(2) for b in (1, 2)
+                                                                for d in wide])

@@ -8,9 +8,9 @@ steers the choice) or ``tid2eid[token]``; weights ``s[chosen]`` normalised to su
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sgl_kernel_ext.moe_route import moe_route
 from sgl_kernel_ext.routed_experts import routed_experts, swiglu
 
 from .config import DSV4Config
@@ -42,16 +42,10 @@ class Gate(nn.Module):
             self.register_buffer("bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = x @ self.weight.t()
-        if self.scoring == "sqrtsoftplus":
-            s = F.softplus(logits).sqrt()
-        elif self.scoring == "sigmoid":
-            s = torch.sigmoid(logits)
-        else:
-            s = torch.softmax(logits.float(), dim=-1).to(logits.dtype)
-        idx = self.tid2eid[input_ids].long() if self.hashed else torch.topk(s + self.bias, self.k, dim=-1).indices
-        w = s.gather(1, idx)
-        return idx, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scaling
+        """(experts [n, k], weights [n, k]): ``sgl_kernel_ext.moe_route``, one kernel on a GPU."""
+        if self.hashed:
+            return moe_route(x, self.weight, None, self.k, self.scaling, self.scoring, self.tid2eid[input_ids])
+        return moe_route(x, self.weight, self.bias, self.k, self.scaling, self.scoring)
 
 
 class Experts(nn.Module):
