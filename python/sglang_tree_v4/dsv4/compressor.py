@@ -85,7 +85,7 @@ class Compressor(CompressorWeights):
             rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
         ent = ops.compress_entries(kv_src, score_src, rows, col_off, ape,
                                    self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
-        out = fb.entry_out_slots[closers]
+        out = fb.memo(("closer_out", r, span), lambda: fb.entry_out_slots[closers])  # one tensor: rows mapped once
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
             store.write_kept(layer, entry, out, ent, closes)
         else:

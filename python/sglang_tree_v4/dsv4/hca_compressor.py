@@ -47,9 +47,10 @@ class HcaCompressor(CompressorWeights):
         """Every query's state into its own slot, then block-closing queries' entries."""
         r, d = self.ratio, self.d
         p = fb.positions
+        # Per forward, not per layer (the same tensors in every HCA layer, so their slot rows are mapped once too).
+        phase, start, closes = fb.memo(("hca_phases", r), lambda: (p % r, p % r == 0, (p + 1) % r == 0))
         v = self.wkv(x).float()
-        s = self.wgate(x).float() + self.ape.float()[p % r]
-        start = p % r == 0
+        s = self.wgate(x).float() + self.ape.float()[phase]
         pred, hit, query = fb.memo("hca_predecessors", lambda: _predecessors(fb))
         stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
         n = p.shape[0]
@@ -62,7 +63,6 @@ class HcaCompressor(CompressorWeights):
             slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
         store.write(layer, state, slots, states)
 
-        closes = (p + 1) % r == 0
         if fb.caps is None:  # eager: only the block-closing queries
             closers = closes.nonzero().squeeze(1)
             if closers.numel() == 0:
