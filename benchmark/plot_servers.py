@@ -46,13 +46,18 @@ def servers(records: list[dict]) -> list[str]:
 def plot(records: list[dict], out: Path) -> Path:
     datasets = sorted({r["dataset"] for r in records})
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 3.8), squeeze=False)
+    shape_of = {label(r): r["shape"] for r in records}
+    names = servers(records)
     for ax, ds in zip(axes[0], datasets, strict=True):
-        for name in servers(records):
+        for name in names:
             pts = sorted((r["batch_size"], runs(r), r["shape"]) for r in records
                          if r["dataset"] == ds and label(r) == name)
             if not pts:
                 continue
             color, fmt = STYLE.get(pts[0][2], ("black", "o-"))
+            # a second server of the same shape (another budget): dotted
+            if [n for n in names if shape_of[n] == shape_of[name]].index(name) > 0:
+                fmt = fmt[0] + ":"
             xs = [p[0] for p in pts]
             med = [statistics.median(p[1]) for p in pts]
             err = [[m - min(p[1]) for m, p in zip(med, pts, strict=True)],

@@ -84,7 +84,8 @@ class Compressor(CompressorWeights):
             kv_src, score_src = store.view(layer, kv), store.view(layer, score)
             rows = fb.memo(("closer_rows", r, span), lambda: store.index(layer, kv, slots))
         ent = ops.compress_entries(kv_src, score_src, rows, col_off, ape,
-                                   self.norm.weight, self.norm.eps, cos, sin, out_dtype=torch.float32)
+                                   self.norm.weight, self.norm.eps, cos, sin,
+                                   out_dtype=store.write_dtype(layer, entry))
         out = fb.memo(("closer_out", r, span), lambda: fb.entry_out_slots[closers])  # one tensor: rows mapped once
         if closes is not None:  # fixed shapes: every query pooled its window; only block-closers keep the entry
             store.write_kept(layer, entry, out, ent, closes)
@@ -153,7 +154,6 @@ class Indexer(nn.Module):
         or a draft tree up to long contexts), with a running top-k across chunks, so the temporaries are bounded by
         the chunk, not by the context."""
         n = x.shape[0]
-        n_vis = (fb.positions + 1) // 4
         emax = fb.entry_width(4)
         if emax == 0:
             z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
@@ -177,7 +177,7 @@ class Indexer(nn.Module):
                 top = best_score.topk(k, dim=-1)
                 best_score, best_idx = top.values, best_idx.gather(1, top.indices)
         if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
-            return best_idx, best_idx < n_vis[:, None]
+            return best_idx, best_idx < ((fb.positions + 1) // 4)[:, None]
         return best_idx, best_score > float("-inf")
 
     @staticmethod

@@ -320,6 +320,11 @@ class SlotStore:
         bufs, off, w, _ = self._where(layer, piece)
         return bufs[layer][:, off:off + w]
 
+    def write_dtype(self, layer: int, piece: str) -> torch.dtype:
+        """The dtype in which values of ``piece`` are best produced: the buffer's for a plain piece (written
+        without a conversion), fp32 for a coded one (its codec encodes from fp32)."""
+        return self.view(layer, piece).dtype if self._codec(layer, piece) is None else torch.float32
+
     def write(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         codec = self._codec(layer, piece)
         self._write_stored(layer, piece, slots, values if codec is None else codec.encode(values))
