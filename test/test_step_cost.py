@@ -4,6 +4,8 @@ rank (slow)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import subprocess
 import sys
@@ -94,6 +96,41 @@ def test_report_invariants_on_the_embedded_model(embedded_reports):
     tree, chain, none = (embedded_reports[k] for k in ("tree", "chain", "none"))
     assert "draft" not in none["bytes_by_phase"] and "draft" in tree["bytes_by_phase"]
     assert none["bytes_floor"] < chain["bytes_floor"] and none["bytes_total"] < tree["bytes_total"]
+
+
+def test_per_forward_metadata_is_charged_to_the_forward_not_its_first_layer():
+    """What ``ForwardBatch.memo`` and ``SlotStore._per_forward`` compute once per forward is reported apart
+    (``launches_metadata``); without that accounting the first layer of each kind carries it all."""
+    from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.step_cost import round as step_round
+    from sglang_tree_v4.step_cost.round import run_round
+
+    model = load_model(str(EMBEDDED)).to("meta")
+    weights = list(model.parameters()) + list(model.buffers())
+
+    def per_layer(charge_metadata: bool):
+        counter = StepCounter(weights=weights)
+        if charge_metadata:
+            run_round(model, counter, 2, 200, 8, 3, 4)
+        else:
+            plain = step_round.forward_metadata
+            step_round.forward_metadata = lambda c: contextlib.nullcontext()
+            try:
+                run_round(model, counter, 2, 200, 8, 3, 4)
+            finally:
+                step_round.forward_metadata = plain
+        layers: dict = {}
+        for op in counter.ops:
+            if op.phase == "verify":
+                layers[op.layer] = layers.get(op.layer, 0) + op.launches
+        return layers
+
+    charged, uncharged = per_layer(True), per_layer(False)
+    assert charged["metadata"] > 0 and "metadata" not in uncharged
+    assert sum(charged.values()) == sum(uncharged.values())  # the same launches, charged elsewhere
+    first = min(i for i in charged if isinstance(i, int) and model.cfg.compress_ratios[i] == 4)
+    later = [i for i in charged if isinstance(i, int) and i > first and model.cfg.compress_ratios[i] == 4]
+    assert later and uncharged[first] > uncharged[later[0]] and charged[first] == charged[later[0]]
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -11,7 +11,9 @@ and counts every op (``counter``). The last line of output is one JSON object: `
 avoid moving (non-expert weights once per forward, per MoE layer ``min(local experts, tokens x top_k)`` experts,
 the embedding rows of its tokens, and the state its queries must read: per request and layer the window keys, the
 CSA index keys and the selected entries, the HCA entries), ``ms_floor_h200`` (the floor at 4.8 TB/s);
-``launches_total``, ``launches_per_layer`` (the largest decoder layer of the verify forward), ``largest_write_bytes``
+``launches_total``, ``launches_per_layer`` (the largest decoder layer of the verify forward), ``launches_metadata``
+(the verify forward's per-forward metadata: rope tables, slot lists and rows that every layer shares, computed once
+by the layer that first needs them and charged to the forward, ``round.forward_metadata``), ``largest_write_bytes``
 and ``routed_expert_bytes`` (one expert's bytes on this rank).
 """
 

@@ -56,7 +56,7 @@ def _storage_key(t: torch.Tensor) -> int:
 class OpCount:
     op: str
     phase: str
-    layer: int | None
+    layer: int | str | None  # a decoder layer, "metadata" (``StepCounter.owner``) or None
     read: dict[str, int]
     written: dict[str, int]
     launches: int
@@ -72,6 +72,9 @@ class StepCounter(TorchDispatchMode):
     phase: str = "round"
     layer: int | None = None
     ops: list[OpCount] = field(default_factory=list)
+    # > 0 while the forward computes its per-forward metadata (``round.forward_metadata``): charged to the forward,
+    # not to the layer that first needs it.
+    metadata: int = 0
 
     def __post_init__(self):
         super().__init__()
@@ -150,13 +153,18 @@ class StepCounter(TorchDispatchMode):
             largest = sum(written.values())
         else:
             largest = max((touched_bytes(t) for t in outputs), default=0)
-        self.ops.append(OpCount(func.name(), self.phase, self.layer, dict(read), dict(written), launches, largest))
+        self.ops.append(OpCount(func.name(), self.phase, self.owner, dict(read), dict(written), launches, largest))
         return out
 
     def record(self, name: str, read: int, written: int, launches: int = 1) -> None:
         """An op the mode cannot see (a collective): its bytes as activations."""
-        self.ops.append(OpCount(name, self.phase, self.layer, {"activations": read}, {"activations": written},
+        self.ops.append(OpCount(name, self.phase, self.owner, {"activations": read}, {"activations": written},
                                 launches, written))
+
+    @property
+    def owner(self) -> int | str | None:
+        """What an op is charged to: the decoder layer running it, or ``"metadata"``."""
+        return "metadata" if self.metadata else self.layer
 
     def summary(self) -> dict:
         by_class: dict[str, int] = defaultdict(int)
@@ -171,7 +179,7 @@ class StepCounter(TorchDispatchMode):
                 by_class[k] += v
             by_phase[op.phase] += moved
             launches_by_phase[op.phase] += op.launches
-            if op.phase == "verify" and op.layer is not None:
+            if op.phase == "verify" and isinstance(op.layer, int):
                 per_layer[op.layer] += op.launches
         heaviest: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         for op in self.ops:
@@ -189,5 +197,6 @@ class StepCounter(TorchDispatchMode):
             "launches_total": sum(op.launches for op in self.ops),
             "launches_by_phase": dict(launches_by_phase),
             "launches_per_layer": max(per_layer.values(), default=0),
+            "launches_metadata": sum(op.launches for op in self.ops if op.phase == "verify" and op.layer == "metadata"),
             "largest_write_bytes": max((op.largest_write for op in self.ops), default=0),
         }

@@ -66,6 +66,30 @@ def _layer_marks(model, counter: StepCounter) -> list:
     return handles
 
 
+@contextlib.contextmanager
+def forward_metadata(counter: StepCounter):
+    """Charge the forward's metadata to the forward: what ``ForwardBatch.memo`` and ``SlotStore._per_forward``
+    compute once per forward and every layer shares (rope tables, slot lists and their rows, block closers). The
+    layer that first needs them computes them; a layer's own work is what every layer repeats."""
+    memo, per_forward = ForwardBatch.memo, SlotStore._per_forward
+
+    def charged(fn):
+        def run():
+            counter.metadata += 1
+            try:
+                return fn()
+            finally:
+                counter.metadata -= 1
+        return run
+
+    ForwardBatch.memo = lambda self, key, fn: memo(self, key, charged(fn))
+    SlotStore._per_forward = lambda self, key, inputs, fn: per_forward(self, key, inputs, charged(fn))
+    try:
+        yield
+    finally:
+        ForwardBatch.memo, SlotStore._per_forward = memo, per_forward
+
+
 def stores(model, batch: int, context: int, draft: int, topk: int, steps: int, entry_format: str | None):
     """The server's pools for ``batch`` requests of ``context`` tokens (meta: no memory)."""
     cfg = model.cfg
@@ -96,7 +120,7 @@ def run_round(model, counter: StepCounter, batch: int, context: int, draft: int,
     caps = StepCaps.bucket(context + D, 1 << 30, D)
     handles = _layer_marks(model, counter)
     try:
-        with collectives(counter, tp_size, tp_rank), torch.no_grad(), counter:  # as the server runs it
+        with collectives(counter, tp_size, tp_rank), forward_metadata(counter), torch.no_grad(), counter:
             if D > 1:
                 counter.phase = "draft"
                 root_logits, root_hidden = catch_up_fixed(model, mtp_store, streams, req_table, lens, _meta(B, D))
