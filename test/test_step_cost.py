@@ -5,7 +5,6 @@ rank (slow)."""
 from __future__ import annotations
 
 import contextlib
-
 import json
 import subprocess
 import sys
