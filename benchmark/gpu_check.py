@@ -52,7 +52,7 @@ from bench_common import git_commit  # noqa: E402
 from gpu_verify_cost import timed_ms  # noqa: E402
 
 KERNELS = ("tree_sparse_attention", "compress_entries", "fp8_block_linear", "routed_experts_fp4", "hc_pre",
-           "hc_post", "rms_norm", "indexer_scores", "moe_route")
+           "hc_post", "rms_norm", "indexer_scores", "moe_route", "swiglu")
 
 
 class Recorder:
@@ -114,6 +114,7 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     from sgl_kernel_ext.moe_route import moe_route, moe_route_ref
     from sgl_kernel_ext.rms_norm import rms_norm, rms_norm_ref
     from sgl_kernel_ext.routed_experts import routed_experts, routed_experts_ref
+    from sgl_kernel_ext.swiglu import swiglu_op, swiglu_ref
     from sgl_kernel_ext.weight_formats import fp8_block_matmul, quantize_fp4, quantize_fp8_block
 
     bf = torch.bfloat16
@@ -178,6 +179,9 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     out["moe_route"] = (lambda: moe_route(*mr_args, backend="triton")[1].sort(-1).values,
                         lambda: moe_route_ref(*mr_args)[1].sort(-1).values, "sgl_kernel_ext::moe_route", mr_args,
                         2e-2)
+    gate_up = (torch.randn(n, inter, device=dev) * 8).to(bf), (torch.randn(n, inter, device=dev) * 8).to(bf)
+    out["swiglu"] = (lambda: swiglu_op(*gate_up, 10.0, backend="triton"), lambda: swiglu_ref(*gate_up, 10.0),
+                     "sgl_kernel_ext::swiglu", (*gate_up, 10.0), 2e-2)
     return out
 
 

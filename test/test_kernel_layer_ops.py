@@ -262,13 +262,16 @@ else:
         torch.testing.assert_close(hca_fold(*args, sweeps, backend="triton"), hca_fold_ref(*args, sweeps),
                                    rtol=1e-5, atol=1e-5)
 
-    @pytest.mark.parametrize("n,heads,dim,listed,dtype", [(3, 8, 32, 37, torch.bfloat16),
-                                                          (5, 64, 128, 70, torch.bfloat16),
-                                                          (2, 5, 24, 9, torch.float32)])
-    def test_kernel_interpreted_indexer_scores(n, heads, dim, listed, dtype):
+    @pytest.mark.parametrize("n,heads,dim,listed,dtype,w_scale", [(3, 8, 32, 37, torch.bfloat16, 1.0),
+                                                                  (5, 64, 128, 70, torch.bfloat16, 0.125),
+                                                                  (2, 5, 24, 9, torch.float32, 3.0)])
+    def test_kernel_interpreted_indexer_scores(n, heads, dim, listed, dtype, w_scale):
         q, w, keys, rows = indexer_case(n, heads, dim, 300, listed, dtype, seed=listed)
-        want = indexer_scores_ref(q, w, keys, rows, dim ** -0.5)
-        got = indexer_scores(q, w, poisoned(keys, rows), rows, dim ** -0.5, backend="triton")
+        w = w.to(dtype)  # the model's weights_proj output, scaled inside the op
+        want = indexer_scores_ref(q, w, keys, rows, dim ** -0.5, w_scale)
+        if w_scale != 1.0:  # the scale is w's: the reference without it differs
+            assert not torch.allclose(want[rows >= 0], indexer_scores_ref(q, w, keys, rows, dim ** -0.5)[rows >= 0])
+        got = indexer_scores(q, w, poisoned(keys, rows), rows, dim ** -0.5, w_scale, backend="triton")
         assert torch.equal(torch.isinf(got), rows < 0)
         finite = rows >= 0
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)

@@ -2,8 +2,9 @@
 
 Contract
 --------
-indexer_scores(q[N, H, d], w[N, H], keys[S, d], rows[N, E], scale) -> [N, E] float32:
-    ``score[n, e] = sum_h w[n, h] * relu(q[n, h] . keys[rows[n, e]]) * scale`` with q, keys and w upcast to fp32
+indexer_scores(q[N, H, d], w[N, H], keys[S, d], rows[N, E], scale, w_scale=1) -> [N, E] float32:
+    ``score[n, e] = sum_h w'[n, h] * relu(q[n, h] . keys[rows[n, e]]) * scale`` with ``w' = fp32(w) * w_scale``
+    (the weights as the model scales them, one launch fewer than scaling them apart), q and keys upcast to fp32
     (fp32 products and sums), ``-inf`` where ``rows[n, e] < 0`` (no entry). keys may be any row-strided view (a
     pool's columns); only the listed rows are read.
 
@@ -25,10 +26,10 @@ REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's [N, H + d, chunk] fp32 tem
 
 
 def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+                       scale: float, w_scale: float = 1.0) -> torch.Tensor:
     n, heads, dim = q.shape
     e = rows.shape[1]
-    qf, wf = q.float(), w.float()
+    qf, wf = q.float(), w.float() * w_scale
     out = torch.empty(n, e, dtype=torch.float32, device=q.device)
     step = max(64, REFERENCE_CHUNK_ELEMENTS // max(n * (heads + dim), 1))
     for e0 in range(0, e, step):
@@ -42,21 +43,21 @@ def indexer_scores_ref(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, row
 
 @torch.library.custom_op("sgl_kernel_ext::indexer_scores", mutates_args=())
 def _indexer_scores_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float,
-                       backend: Optional[str] = None) -> torch.Tensor:
+                       w_scale: float = 1.0, backend: Optional[str] = None) -> torch.Tensor:
     if _backend(backend, q) == "torch":
-        return indexer_scores_ref(q, w, keys, rows, scale)
+        return indexer_scores_ref(q, w, keys, rows, scale, w_scale)
     from .triton_indexer import indexer_scores_triton
 
-    return indexer_scores_triton(q, w, keys, rows, scale)
+    return indexer_scores_triton(q, w, keys, rows, scale, w_scale)
 
 
 @_indexer_scores_op.register_fake
-def _(q, w, keys, rows, scale, backend=None):
+def _(q, w, keys, rows, scale, w_scale=1.0, backend=None):
     return q.new_empty(rows.shape, dtype=torch.float32)
 
 
 @traffic.declare("sgl_kernel_ext::indexer_scores")
-def indexer_scores_traffic(q, w, keys, rows, scale, backend=None) -> traffic.Traffic:
+def indexer_scores_traffic(q, w, keys, rows, scale, w_scale=1.0, backend=None) -> traffic.Traffic:
     """q, w and the row lists read once, every listed key row once per query that lists it, the scores written
     once; one launch."""
     listed = rows.numel() * keys.shape[1] * keys.element_size()
@@ -64,8 +65,8 @@ def indexer_scores_traffic(q, w, keys, rows, scale, backend=None) -> traffic.Tra
     return traffic.Traffic(read, rows.numel() * 4, 1, ((2, listed),))
 
 
-def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float, *,
-                   backend: str | None = None) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float,
+                   w_scale: float = 1.0, *, backend: str | None = None) -> torch.Tensor:
     """Index scores of the listed entries (see the module doc)."""
     if q.dim() != 3 or w.shape != q.shape[:2]:
         raise ValueError(f"q must be [N, H, d] and w [N, H], got {tuple(q.shape)} and {tuple(w.shape)}")
@@ -74,5 +75,5 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: t
     if rows.dim() != 2 or rows.shape[0] != q.shape[0] or rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be [{q.shape[0]}, E] int32/int64, got {tuple(rows.shape)} {rows.dtype}")
     if plain_reference(backend, q, w, keys):
-        return indexer_scores_ref(q, w, keys, rows, scale)
-    return torch.ops.sgl_kernel_ext.indexer_scores(q, w, keys, rows, float(scale), backend)
+        return indexer_scores_ref(q, w, keys, rows, scale, w_scale)
+    return torch.ops.sgl_kernel_ext.indexer_scores(q, w, keys, rows, float(scale), float(w_scale), backend)

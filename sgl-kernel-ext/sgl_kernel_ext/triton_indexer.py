@@ -19,7 +19,7 @@ def _indexer_scores_kernel(
     k_ptr, k_sr, k_sd,
     r_ptr, r_sn, r_se,
     o_ptr, o_sn,
-    H, D, E, scale,
+    H, D, E, scale, w_scale,
     DOT_FP32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -31,7 +31,7 @@ def _indexer_scores_kernel(
     mask_d = offs_d < D
     q = tl.load(q_ptr + n * q_sn + offs_h[:, None] * q_sh + offs_d[None, :] * q_sd,
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-    w = tl.load(w_ptr + n * w_sn + offs_h * w_sh, mask=mask_h, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + n * w_sn + offs_h * w_sh, mask=mask_h, other=0.0).to(tl.float32) * w_scale
     rows = tl.load(r_ptr + n * r_sn + offs_e * r_se, mask=mask_e, other=-1)
     listed = rows >= 0
     k = tl.load(k_ptr + tl.maximum(rows, 0).to(tl.int64)[:, None] * k_sr + offs_d[None, :] * k_sd,
@@ -47,7 +47,7 @@ def _indexer_scores_kernel(
 
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, w_scale: float = 1.0) -> torch.Tensor:
     n, heads, dim = q.shape
     e = rows.shape[1]
     out = torch.empty((n, e), dtype=torch.float32, device=q.device)
@@ -64,7 +64,7 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
         keys, keys.stride(0), keys.stride(1),
         rows, rows.stride(0), rows.stride(1),
         out, out.stride(0),
-        heads, dim, e, float(scale),
+        heads, dim, e, float(scale), float(w_scale),
         DOT_FP32=dot_fp32, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e,
         num_warps=4,
     )

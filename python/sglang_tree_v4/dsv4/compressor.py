@@ -161,14 +161,14 @@ class Indexer(nn.Module):
         k = min(self.topk, emax)
         q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
         q = rope.rotate(q, cos[:, None], sin[:, None])
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        w = self.weights_proj(x)  # scaled by n_heads ** -0.5 in fp32 inside the scores op
         best_score = best_idx = None
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
             cand = self.candidates(fb, e0, step)
             rows = self.candidate_rows(fb, store, layer, e0, step, cand)
             keys, rows = store.readable(layer, "ientry", rows, q.dtype)
-            score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5)
+            score = indexer_scores(q, w, keys, rows, self.head_dim ** -0.5, self.n_heads ** -0.5)
             if best_score is None:
                 best_score, best_idx = score, cand
             else:
@@ -203,13 +203,15 @@ class Indexer(nn.Module):
     def selected_rows(self, fb: ForwardBatch, store: SlotStore, layer: int, idx: torch.Tensor,
                       ok: torch.Tensor) -> torch.Tensor | None:
         """Token rows of the selected entries ``idx`` (``-1`` where not ``ok``), gathered from the candidates' rows
-        where one chunk held every candidate; None otherwise."""
+        where one chunk held every candidate; None otherwise. A selection is not ``ok`` exactly where its candidate
+        has no row (past the query's visible count: row ``-1``, score ``-inf``), so the gathered rows are already
+        ``-1`` there and ``ok`` needs no second pass."""
         emax = fb.entry_width(4)
         step = self.chunk_entries(fb.positions.shape[0])
         if emax == 0 or emax > step:
             return None
         rows = self.candidate_rows(fb, store, layer, 0, step, self.candidates(fb, 0, step))
-        return torch.where(ok, rows.gather(1, idx), -1)
+        return rows.gather(1, idx)
 
     def chunk_entries(self, n_queries: int) -> int:
         """Entries scored at once: about ``INDEXER_CHUNK_ELEMENTS`` scores."""

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from sgl_kernel_ext.moe_route import moe_route
-from sgl_kernel_ext.routed_experts import routed_experts, swiglu
+from sgl_kernel_ext.routed_experts import routed_experts
+from sgl_kernel_ext.swiglu import swiglu_op
 
 from .config import DSV4Config
 
@@ -27,7 +28,7 @@ class MLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+        return self.w2(swiglu_op(self.w1(x), self.w3(x), self.limit))
 
 
 class Gate(nn.Module):

@@ -1,6 +1,7 @@
-"""The MoE router as one op (``sgl_kernel_ext.moe_route``): its reference against the formula the model's gate
-used, its fake and declared traffic, and the Triton kernel under the interpreter (a child pytest, as in
-``test_kernel_layer_ops``) at padded shapes, every scoring, a bias of either dtype and a hash layer's table."""
+"""The MoE's small ops: the router (``sgl_kernel_ext.moe_route``) and the shared expert's clamped SwiGLU
+(``sgl_kernel_ext.swiglu``): references against the formulas the model used, fakes and declared traffic, and the
+Triton kernels under the interpreter (a child pytest, as in ``test_kernel_layer_ops``) at padded shapes: for the
+router every scoring, a bias of either dtype and a hash layer's table; for the SwiGLU values past the limit."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from sgl_kernel_ext import traffic
 from sgl_kernel_ext.moe_route import moe_route, moe_route_ref, score
+from sgl_kernel_ext.swiglu import swiglu_op, swiglu_ref
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -53,6 +55,19 @@ def test_fake_and_declared_traffic():
         moe_route(x, w, b, 6, 2.5, "relu")
     with pytest.raises(ValueError, match="chosen"):
         moe_route(x, w, b, 6, 2.5, chosen=torch.empty(7, 5, dtype=torch.long, **m))
+
+
+def test_swiglu_reference_fake_and_traffic():
+    g = torch.linspace(-12, 12, 9)
+    want = F.silu(g.clamp(max=10.0)) * g.clamp(-10.0, 10.0)
+    assert torch.equal(swiglu_ref(g, g, 10.0), want) and torch.equal(swiglu_op(g, g, 10.0), want)
+    m = torch.empty(4, 2048, dtype=torch.bfloat16, device="meta")
+    y = swiglu_op(m, m, 10.0)
+    assert y.shape == (4, 2048) and y.dtype == torch.bfloat16
+    assert traffic.declared("sgl_kernel_ext::swiglu", (m, m, 10.0), {}) == traffic.Traffic(2 * 4 * 2048 * 2,
+                                                                                         4 * 2048 * 2, 1)
+    with pytest.raises(ValueError, match="must match"):
+        swiglu_op(m, m.float(), 10.0)
 
 
 def assert_same_routes(got, want, x, w, bias, scoring, dtype):
@@ -110,3 +125,14 @@ else:
         got = moe_route(x, w, None, 3, 1.0, "sqrtsoftplus", backend="triton")
         assert_same_routes(got, moe_route_ref(x, w, None, 3, 1.0, "sqrtsoftplus"), x, w, None, "sqrtsoftplus",
                            torch.float32)
+
+    @pytest.mark.parametrize("shape,dtype", [((5, 100), torch.bfloat16), ((3, 7, 64), torch.float32),
+                                             ((1, 1500), torch.bfloat16)])
+    def test_kernel_interpreted_swiglu(shape, dtype):
+        """Values to 3x the limit on both inputs: each clamp matters (without the up clamp this fails)."""
+        g = torch.Generator().manual_seed(shape[-1])
+        gate, up = (torch.randn(shape, generator=g) * 12).to(dtype), (torch.randn(shape, generator=g) * 12).to(dtype)
+        got, want = swiglu_op(gate, up, 10.0, backend="triton"), swiglu_ref(gate, up, 10.0)
+        assert got.dtype == dtype and got.shape == want.shape
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=2 * ulp)
