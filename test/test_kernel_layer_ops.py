@@ -1,5 +1,6 @@
 """The decoder layer's small ops as custom ops: hyper-connection pre/post, RMSNorm, RoPE, the indexer's scores, the
-HCA folds, and the tree attention and entry compression kernels registered as ops.
+HCA folds, a pool's rows read (``gather_rows``), and the tree attention and entry compression kernels registered as
+ops.
 
 * each Triton kernel, run by Triton's CPU interpreter in a child pytest (as in ``test_kernel_fp8_linear``), against
   its torch reference at two shapes or more, padded ones included (sizes that are not powers of two, -1 padding in
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from sgl_kernel_ext import ops, traffic
+from sgl_kernel_ext.gather_rows import gather_rows, gather_rows_ref
 from sgl_kernel_ext.hca_fold import hca_fold, hca_fold_ref
 from sgl_kernel_ext.hyper_connection import hc_post, hc_post_ref, hc_pre, hc_pre_ref
 from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
@@ -171,6 +173,26 @@ def test_hca_fold_sweeps_give_the_one_by_one_folds():
     assert meta.shape == (11, 12)
 
 
+def gather_case(n: int, width: int, dtype: torch.dtype, seed: int = 0):
+    """A pool of 40 rows, 3 columns either side of the read range; lists of any shape with -1 anywhere."""
+    g = _gen(seed)
+    buf = torch.randn(40, width + 6, generator=g).to(dtype)
+    return buf, torch.randint(-1, 40, (n, 3), generator=g)
+
+
+def test_gather_rows_reference_fake_and_traffic():
+    buf, rows = gather_case(5, 16, torch.float32)
+    got = gather_rows_ref(buf, rows, 3, 16)
+    assert torch.equal(got[rows >= 0], buf[rows[rows >= 0], 3:19]) and (got[rows < 0] == 0).all()
+    assert torch.equal(gather_rows_ref(poisoned(buf, rows), rows, 3, 16), got)  # unlisted rows are not read
+    meta = gather_rows(buf.to("meta"), rows.to("meta"), 3, 16)
+    assert meta.shape == (5, 3, 16) and meta.dtype == torch.float32
+    t = traffic.declared("sgl_kernel_ext::gather_rows", (buf, rows, 3, 16), {})
+    assert t == traffic.Traffic(15 * 8 + 15 * 16 * 4, 15 * 16 * 4, 1, ((0, 15 * 16 * 4),))
+    with pytest.raises(ValueError, match="columns"):
+        gather_rows(buf, rows, 10, 16)
+
+
 def test_autograd_runs_the_reference():
     streams, fn, base, scale = hc_case(3, 2, 16, torch.float32)
     fn.requires_grad_(True)
@@ -275,6 +297,13 @@ else:
         assert torch.equal(torch.isinf(got), rows < 0)
         finite = rows >= 0
         torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("n,width,dtype,off", [(5, 16, torch.bfloat16, 3), (70, 300, torch.float32, 0),
+                                                    (1, 7, torch.bfloat16, 6)])
+    def test_kernel_interpreted_gather_rows(n, width, dtype, off):
+        buf, rows = gather_case(n, width, dtype, seed=n)
+        got = gather_rows(poisoned(buf, rows), rows, off, width, backend="triton")
+        assert torch.equal(got, gather_rows_ref(buf, rows, off, width))
 
     def test_kernel_interpreted_attention_reads_only_listed_rows():
         g = _gen(4)

@@ -70,7 +70,7 @@ class HcaCompressor(CompressorWeights):
             o, p = o[closers], p[closers]
         m = o.shape[0]  # the [rows, 1] rsqrt and the RoPE's cos/sin of p must run whole vectors too
         o, p = _whole_vectors((o, p), 1)
-        y = rms_norm(o, self.norm.weight.float(), self.norm.eps)  # o is fp32: the whole norm is
+        y = rms_norm(o, self.norm.weight, self.norm.eps)  # o is fp32: the whole norm is (the weight promoted)
         # RoPE at the entry's first position: the same in every HCA layer of the forward
         cos, sin = fb.memo(("hca_entry_rope", r, p.shape[0], id(rope)), lambda: rope.cos_sin(p + 1 - r))
         y = rope.rotate(y, cos, sin)[:m]

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from sgl_kernel_ext.gather_rows import gather_rows
+
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .entry_codec import Fp8Codec, entry_codecs
 
@@ -367,9 +369,7 @@ class SlotStore:
 
     def _read_stored(self, layer: int, piece: str, slots: torch.Tensor) -> torch.Tensor:
         bufs, off, w, kind = self._where(layer, piece)
-        rows = self._rows(layer, slots, kind)
-        got = bufs[layer][rows.clamp(min=0).reshape(-1), off:off + w].reshape(*rows.shape, w)
-        return torch.where((rows >= 0).unsqueeze(-1), got, torch.zeros((), dtype=got.dtype, device=got.device))
+        return gather_rows(bufs[layer], self._rows(layer, slots, kind), off, w)  # one kernel on a GPU
 
     def readable(self, layer: int, piece: str, rows: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
