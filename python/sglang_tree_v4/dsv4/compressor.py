@@ -175,7 +175,9 @@ class Indexer(nn.Module):
                 best_score, best_idx = torch.cat([best_score, score], 1), torch.cat([best_idx, cand], 1)
             if best_score.shape[1] > k:
                 top = best_score.topk(k, dim=-1)
-                best_score, best_idx = top.values, best_idx.gather(1, top.indices)
+                # the first chunk's candidates are 0, 1, ...: their picks are the top-k's own indices
+                picked = top.indices if best_idx is cand and e0 == 0 else best_idx.gather(1, top.indices)
+                best_score, best_idx = top.values, picked
         if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
             return best_idx, best_idx < ((fb.positions + 1) // 4)[:, None]
         return best_idx, best_score > float("-inf")
