@@ -212,7 +212,7 @@ slot, where unaccepted columns write). Negative control: keys taken from the nex
                 canonical = L + 1 + torch.arange(5)[None]
                 commit([store], table, rid, torch.tensor([L]), accepted, scratch, canonical)
                 index = torch.where(accepted >= 0, (accepted + shift).clamp(max=4), -1)
-                commit_context(model, dstore, out.features, index, table, torch.tensor([L]))
+                commit_context(model, dstore, out.features, index, table[:, L:L + 5], torch.tensor([L]))
                 L += k + 1
         return torch.stack([b[1:L + 1] for b in dstore.buffers]), table, rejected
 

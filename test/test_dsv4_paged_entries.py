@@ -130,7 +130,8 @@ def run(model, compact: bool, scratch: bool = True, fixed: bool = False, entry_f
             if ring:  # the pool's move of the ring rows with their window rows
                 for buf in store.ring_buffers:
                     buf[ring_rows(w_dst, P, ring)] = buf[ring_rows(w_src, P, ring)]
-            commit_accepted_entries(store, accept, table, committed, D)
+            block = table[torch.arange(B)[:, None], committed[:, None] + torch.arange(accept.shape[1])]
+            commit_accepted_entries(store, accept, block, committed, D)
         else:
             store.copy_rows(src, dst)
         lens = committed + len(ACCEPT[0])

@@ -115,7 +115,7 @@ def run_step_on_meta(model, B: int, D: int, K: int, caps: StepCaps, entry_format
     fb = ForwardBatch(torch.empty(B * D, dtype=torch.long, device="meta"), torch.empty_like(out_slots), out_slots,
                       table, caps, entry_out)
     logits = model(fb, paged).logits
-    commit_accepted_entries(paged, torch.empty(B, D, dtype=torch.long, device="meta"), req_table, lens, D)
+    commit_accepted_entries(paged, torch.empty(B, D, dtype=torch.long, device="meta"), req_table[:, :D], lens, D)
     assert logits.is_meta and all(b.is_meta for b in paged.token_buffers)
     assert (entry_format is None) != any(b.dtype == torch.uint8 for b in paged.token_buffers)
     assert (entry_format is None) != all(b.dtype == torch.uint8 for b in paged.buffers)  # fp8 window keys

@@ -93,18 +93,19 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc, anc_entry), entry_out
 
 
-def commit_accepted_entries(store: SlotStore, accept_index: torch.Tensor, req_table: torch.Tensor,
+def commit_accepted_entries(store: SlotStore, accept_index: torch.Tensor, block_slots: torch.Tensor,
                             committed: torch.Tensor, draft_tokens: int) -> None:
     """Copy the entries of accepted draft nodes that sat in tree scratch (``tree_entry_slots``) to the canonical
     rows of their positions. ``accept_index [bs, A]``: flat node index (``b * draft_tokens + i``) of the j-th
     accepted node, -1 past the accepted length; the j-th accepted node is at position ``committed + j`` and its
-    canonical slot is ``req_table[b, committed + j]``."""
+    canonical slot is ``block_slots[b, j]`` (``block_slots [bs, A]``: the request's slots of positions
+    ``committed .. committed + A - 1``, not its whole row of the request table)."""
     bs, A = accept_index.shape
     j = torch.arange(A, device=accept_index.device)
     node = accept_index - torch.arange(bs, device=accept_index.device)[:, None] * draft_tokens
     scratch = (accept_index >= 0) & (node != j)
     positions = committed.long()[:, None] + j
-    dst = req_table.long().gather(1, positions.clamp(max=req_table.shape[1] - 1))
+    dst = block_slots.long()
     store.commit_entries(torch.where(scratch, -2 - accept_index, -1).flatten(),
                          torch.where(scratch, dst, -1).flatten(), positions.flatten())
 
@@ -295,10 +296,10 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
                                                             entry_ratios(self.cfg), strict=False) if r > 1]
         return min(rows, default=1 << 30)
 
-    def commit_tree_entries(self, accept_index: torch.Tensor, req_table: torch.Tensor, committed: torch.Tensor,
+    def commit_tree_entries(self, accept_index: torch.Tensor, block_slots: torch.Tensor, committed: torch.Tensor,
                             draft_tokens: int) -> None:
         """After SGLang's accepted-token move (``commit_accepted_entries``)."""
-        commit_accepted_entries(self.stores()[0], accept_index, req_table, committed, draft_tokens)
+        commit_accepted_entries(self.stores()[0], accept_index, block_slots, committed, draft_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams the checkpoint into the model one tensor at a time. From a local folder the files are read

@@ -66,14 +66,15 @@ def prefill_context(model, store: SlotStore, features: torch.Tensor, positions: 
 
 
 def commit_context(model, store: SlotStore, features: torch.Tensor, accept_index: torch.Tensor,
-                   req_table: torch.Tensor, lens: torch.Tensor) -> None:
+                   slots: torch.Tensor, lens: torch.Tensor) -> None:
     """Stage keys of the root and the accepted nodes, from the verify forward's taps ``features [B D, k H]``:
     the j-th accepted node (``accept_index [B, A]``, flat node index or -1) is position ``lens + j`` at its
-    canonical slot ``req_table[b, lens + j]``. Unaccepted columns write SGLang's padding slot 0 (fixed shapes)."""
+    canonical slot ``slots[b, j]`` (``slots [B, A]``: the request's slots of positions ``lens .. lens + A - 1``,
+    the verify block's columns, not its whole row). Unaccepted columns write SGLang's padding slot 0 (fixed
+    shapes)."""
     A = accept_index.shape[1]
     positions = lens.long()[:, None] + torch.arange(A, device=lens.device)
     valid = accept_index >= 0
-    slots = req_table.long().gather(1, positions.clamp(max=req_table.shape[1] - 1))
-    slots = torch.where(valid, slots, 0).flatten()
+    slots = torch.where(valid, slots.long(), 0).flatten()
     feats = features[accept_index.clamp(min=0).flatten()]
     ds.write_context(model, feats, torch.where(valid, positions, 0).flatten(), slots, store)

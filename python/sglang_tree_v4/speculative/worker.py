@@ -371,14 +371,18 @@ class TreeV4Worker(BaseSpecWorker):
             return self.score_temperature
         return request_score_temperatures(self.score_temperature, info.temperatures.flatten(), info.top_ks)
 
+    def _block_slots(self, batch, D: int, finished: list[int]) -> torch.Tensor:
+        """``[B, D]``: each request's slots of positions ``L .. L + D - 1`` (the verify block's; finished rows on
+        slot 0), read from its row of the request table without copying the whole row."""
+        rows = batch.req_pool_indices.long()[:, None]
+        cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
+        return _inert(self.req_to_token_pool.req_to_token[rows, cols], finished)
+
     def _verify_input(self, batch, tree, finished: list[int]):
         D = tree.width
         mask = tree.ancestor_mask().flatten()
         positions = tree.positions(batch.seq_lens.long()).flatten()
-        rows = batch.req_pool_indices.long()[:, None]
-        cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
-        slots = self.req_to_token_pool.req_to_token[rows, cols]
-        batch.out_cache_loc = _inert(slots, finished).flatten().to(torch.int64)
+        batch.out_cache_loc = self._block_slots(batch, D, finished).flatten().to(torch.int64)
         batch.input_ids = tree.tokens.flatten().to(torch.int64)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.spec_info = NgramVerifyInput(draft_token=batch.input_ids, custom_mask=mask, positions=positions,
@@ -457,14 +461,14 @@ class TreeV4Worker(BaseSpecWorker):
         predict[accept_index[valid]] = verdict.tokens[valid]
         accept_lens = verdict.accept_lens.to(torch.int32)
         if S > 0 or self.dspark is not None:
-            table = _inert(self.req_to_token_pool.req_to_token[batch.req_pool_indices], finished)
+            block = self._block_slots(batch, D, finished)
         if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)
-            self.adapter.commit_tree_entries(accept_index, table, batch.seq_lens, D)
+            self.adapter.commit_tree_entries(accept_index, block, batch.seq_lens, D)
         if self.dspark is not None:  # the root's and the accepted nodes' stage keys, at their canonical slots
             dspark_drafter.commit_context(self.adapter.model, self.adapter.stores()[1], self.adapter.last_features,
-                                          accept_index, table, batch.seq_lens)
+                                          accept_index, block, batch.seq_lens)
         if batch.return_logprob:
             compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
         new_seq_lens = batch.seq_lens + accept_lens

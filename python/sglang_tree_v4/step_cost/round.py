@@ -137,7 +137,8 @@ def run_round(model, counter: StepCounter, batch: int, context: int, draft: int,
                 verdict = verify_greedy(tree, logits.view(B, D, cfg.vocab_size))
                 counter.phase = "commit"
                 accept_index = verdict.accepted_nodes + (torch.arange(B, device="meta") * D)[:, None]
-                commit_accepted_entries(paged, accept_index, req_table, lens, D)
+                block = req_table.gather(1, lens[:, None] + torch.arange(D, device="meta"))  # the worker's
+                commit_accepted_entries(paged, accept_index, block, lens, D)
             else:
                 logits.argmax(-1)
     finally:
