@@ -44,7 +44,9 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    gpu_path = srv.clean_env(**{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1", GRAPHS_ENV: "force"})
+    # (its own step-time cache: the adaptive default measures at startup, as on a fresh machine)
+    gpu_path = srv.clean_env(**{FIXED_SHAPES_ENV: "1", OVERLAP_ENV: "1", GRAPHS_ENV: "force",
+                                "XDG_CACHE_HOME": str(logs / "step_time_cache")})
     started = {"plain": srv.launch(DSPARK, COMMON + SLEEP, logs / "plain.log", env=srv.clean_env()),
                "chain": srv.launch(DSPARK, COMMON + SLEEP + CHAIN, logs / "chain.log", env=srv.clean_env()),
                "tree": srv.launch(DSPARK, COMMON + SLEEP + TREE, logs / "tree.log", env=srv.clean_env()),
