@@ -378,15 +378,18 @@ class TreeV4Worker(BaseSpecWorker):
         cols = batch.seq_lens.long()[:, None] + torch.arange(D, device=self.device)
         return _inert(self.req_to_token_pool.req_to_token[rows, cols], finished)
 
-    def _verify_input(self, batch, tree, finished: list[int]):
+    def _verify_input(self, batch, tree, finished: list[int]) -> torch.Tensor:
+        """The batch set up for the verify forward; -> the block's slots ``[B, D]`` (the commits' too)."""
         D = tree.width
         mask = tree.ancestor_mask().flatten()
         positions = tree.positions(batch.seq_lens.long()).flatten()
-        batch.out_cache_loc = self._block_slots(batch, D, finished).flatten().to(torch.int64)
+        block = self._block_slots(batch, D, finished)
+        batch.out_cache_loc = block.flatten().to(torch.int64)
         batch.input_ids = tree.tokens.flatten().to(torch.int64)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.spec_info = NgramVerifyInput(draft_token=batch.input_ids, custom_mask=mask, positions=positions,
                                            draft_token_num=D)
+        return block
 
     def _accept(self, batch, tree, logits):
         info = batch.sampling_info
@@ -441,7 +444,7 @@ class TreeV4Worker(BaseSpecWorker):
             tree = self._draft(batch, D, S, pending, rules, finished)
         D = tree.width
         drafted = time.perf_counter()
-        self._verify_input(batch, tree, finished)
+        block = self._verify_input(batch, tree, finished)
         result = self._target_worker.forward_batch_generation(batch, is_verify=True)
         verified = time.perf_counter()
         logits_output = result.logits_output
@@ -460,8 +463,6 @@ class TreeV4Worker(BaseSpecWorker):
         valid = accept_index >= 0
         predict[accept_index[valid]] = verdict.tokens[valid]
         accept_lens = verdict.accept_lens.to(torch.int32)
-        if S > 0 or self.dspark is not None:
-            block = self._block_slots(batch, D, finished)
         if S > 0:  # without speculation the one accepted row (the root's) already sits in its own slot
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1,
                                                  self.token_to_kv_pool_allocator)

@@ -135,6 +135,18 @@ def measure(model, max_tokens: int, topk: int, max_steps: int, max_batch: int, d
     return times
 
 
+def _fastest_timer(fastest: dict[tuple, float], device: torch.device) -> Callable:
+    """``timed(key, run)``: runs ``run``, keeps its fastest time under ``key`` in ``fastest`` (the device synced
+    before the clock stops) and returns what ``run`` returned."""
+    def timed(key, run):
+        start = time.perf_counter()
+        out = run()
+        _sync(device)
+        fastest[key] = min(fastest.get(key, float("inf")), time.perf_counter() - start)
+        return out
+    return timed
+
+
 def _measure_dspark(model, store, plan: StartupPlan, width: int, context: int, max_tokens: int, topk: int,
                     max_steps: int, device: torch.device, config: PolicyConfig) -> StepTimes:
     """``measure`` for a DSpark drafter. Its round is one block pass (the same at every S: ``draft``) and a best-first
@@ -148,13 +160,7 @@ def _measure_dspark(model, store, plan: StartupPlan, width: int, context: int, m
                                  block_rows=max(batches) * dcfg.block_size)
     taps = tuple(dcfg.target_layer_ids)
     fastest: dict[tuple, float] = {}
-
-    def timed(key, run):
-        start = time.perf_counter()
-        out = run()
-        _sync(device)
-        fastest[key] = min(fastest.get(key, float("inf")), time.perf_counter() - start)
-        return out
+    timed = _fastest_timer(fastest, device)
 
     def one_pass(batch_sizes, widths):
         for bs in batch_sizes:
@@ -194,13 +200,7 @@ def verify_widths(max_tokens: int) -> list[int]:
 def _time_batch(model, store, mtp_store, streams, batches, width, context, max_tokens, topk, max_steps, draft_steps,
                 verify_sizes, device, times: StepTimes, passes: int) -> None:
     fastest: dict[tuple, float] = {}
-
-    def timed(key, run):  # -> what ``run`` returned; its time into ``fastest``
-        start = time.perf_counter()
-        out = run()
-        _sync(device)
-        fastest[key] = min(fastest.get(key, float("inf")), time.perf_counter() - start)
-        return out
+    timed = _fastest_timer(fastest, device)
 
     for _ in range(passes):
         for bs in batches:
