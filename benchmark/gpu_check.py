@@ -52,7 +52,7 @@ from bench_common import git_commit  # noqa: E402
 from gpu_verify_cost import timed_ms  # noqa: E402
 
 KERNELS = ("tree_sparse_attention", "compress_entries", "fp8_block_linear", "routed_experts_fp4", "hc_pre",
-           "hc_post", "rms_norm", "indexer_scores", "moe_route", "swiglu")
+           "hc_pre_norm", "hc_post", "rms_norm", "rms_norm_rope", "indexer_scores", "moe_route", "swiglu")
 
 
 class Recorder:
@@ -113,6 +113,7 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     from sgl_kernel_ext.indexer import indexer_scores, indexer_scores_ref
     from sgl_kernel_ext.moe_route import moe_route, moe_route_ref
     from sgl_kernel_ext.rms_norm import rms_norm, rms_norm_ref
+    from sgl_kernel_ext.rms_norm_rope import rms_norm_rope, rms_norm_rope_ref
     from sgl_kernel_ext.routed_experts import routed_experts, routed_experts_ref
     from sgl_kernel_ext.swiglu import swiglu_op, swiglu_ref
     from sgl_kernel_ext.weight_formats import fp8_block_matmul, quantize_fp4, quantize_fp8_block
@@ -164,6 +165,16 @@ def kernel_cases(dev: torch.device, dry: bool) -> dict:
     nw = torch.rand(hidden, device=dev).to(bf) + 0.5
     out["rms_norm"] = (lambda: rms_norm(x, nw, 1e-6, backend="triton"), lambda: rms_norm_ref(x, nw, 1e-6),
                        "sgl_kernel_ext::rms_norm", (x, nw, 1e-6), 2e-2)
+    # hc_pre with the sub-block's RMSNorm in the same launch (the model's path; the output's first element)
+    out["hc_pre_norm"] = (lambda: hc_pre(*pre_args, out_weight=nw, out_eps=1e-6, backend="triton")[0],
+                          lambda: hc_pre_ref(*pre_args, out_weight=nw, out_eps=1e-6)[0], "sgl_kernel_ext::hc_pre",
+                          pre_args + (nw, 1e-6), 2e-2)
+    # the queries' bare RMSNorm then RoPE: [n, heads, head_dim], the last 64 channels rotated
+    qh = torch.randn(n, heads, dim, device=dev).to(bf)
+    ang = torch.rand(n, 32, device=dev) * 6.28
+    rr_args = (qh, None, 1e-6, ang.cos(), ang.sin())
+    out["rms_norm_rope"] = (lambda: rms_norm_rope(*rr_args, backend="triton"), lambda: rms_norm_rope_ref(*rr_args),
+                            "sgl_kernel_ext::rms_norm_rope", rr_args, 2e-2)
     q = torch.randn(n, iheads, ihd, device=dev).to(bf)
     wq = torch.randn(n, iheads, device=dev)
     keys = torch.randn(entries * (1 if dry else 8), ihd, device=dev).to(bf)

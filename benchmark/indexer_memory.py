@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         fb = ForwardBatch(torch.zeros(n, dtype=torch.long), positions, positions, table, caps)
         tracker = PeakBytes()
         with torch.no_grad(), tracker:
-            idx, ok = indexer.select(x, q_res, fb, store, 0, rope, cos, sin)
-        chosen[mode] = torch.where(ok, idx, -1).sort(-1).values
+            idx, score = indexer.select(indexer.weights_proj(x), q_res, fb, store, 0, rope, cos, sin)
+        chosen[mode] = torch.where(score > float("-inf"), idx, -1).sort(-1).values
         entries = L // 4 if caps is None else caps.entries(4)
         records.append({"bench": "indexer_memory", "mode": mode, "context": L, "entries": entries, "queries": n,
                         "capacity": None if caps is None else caps.max_context,

@@ -1,6 +1,7 @@
 """The model's attention and compression go through ``sgl_kernel_ext.ops``, which picks the Triton kernels on a
 GPU. Here the Triton path is forced on the CPU under Triton's interpreter (in a child process, so the interpreter
-flag does not leak) and the model's logits must match the torch path."""
+flag does not leak) and the model's logits, with its projections fused as the server runs it, must match the torch
+path."""
 
 from __future__ import annotations
 
@@ -14,23 +15,19 @@ CHILD = textwrap.dedent("""
     import os, sys, torch
     sys.path.insert(0, sys.argv[1])
     torch.set_num_threads(1)
-    from support.tiny_v4 import randomize, tiny_config
+    from support.tiny_v4 import prefill_decode_logits, randomize, tiny_config
+    from sglang_tree_v4.checkpoint.fuse import fuse_projections
     from sglang_tree_v4.dsv4.config import DSV4Config
     from sglang_tree_v4.dsv4.model import DSV4Model
-    from sglang_tree_v4.testing.runner import DSV4Runner
 
     model = DSV4Model(DSV4Config.from_dict(tiny_config(64, hca_ratio=8, window=8)), with_mtp=False).eval()
     randomize(model, seed=3)
+    fuse_projections(model)  # as the server runs it
     prompt = torch.randint(0, 64, (27,), generator=torch.Generator().manual_seed(0))
 
     def logits(backend):
         os.environ["SGL_KERNEL_EXT_BACKEND"] = backend
-        runner = DSV4Runner(model, num_slots=64, max_len=64, max_reqs=1)
-        rid = runner.add_request()
-        out = [runner.extend([rid], [prompt[:20]])[0].logits]
-        for t in prompt[20:]:
-            out.append(runner.decode([rid], [int(t)])[0].logits)
-        return torch.cat(out)
+        return prefill_decode_logits(model, prompt)
 
     ref, tri = logits("torch"), logits("triton")
     err = ((tri - ref).abs().max() / ref.abs().max()).item()

@@ -59,7 +59,7 @@ def forward(c, store, positions, rows=None, out=None, base=None, anc=None, caps=
     out = positions if out is None else torch.tensor(out)
     x = X[positions] if rows is None else rows
     with torch.no_grad():
-        c.update(x, ForwardBatch(positions, positions, out, tab, caps), store, 0, ROPE)
+        c.update(c.project(x), ForwardBatch(positions, positions, out, tab, caps), store, 0, ROPE)
 
 
 def states(store, slots):

@@ -81,6 +81,26 @@ def test_hc_pre_reference_is_doubly_stochastic_and_collapses_with_pre():
     assert not torch.allclose(collapsed, streams.mean(1))  # pre weights, not a plain mean
 
 
+def test_hc_pre_out_weight_is_the_rms_norm_of_the_rounded_collapse():
+    """Bit for bit the two references composed (the op's torch path too), in the promoted dtype; post and comb
+    unchanged. Negative control: normalising the fp32 collapse before its rounding to bf16 gives other bits."""
+    for dtype in (torch.bfloat16, torch.float32):
+        streams, fn, base, scale = hc_case(4, 3, 40, dtype, seed=1)
+        plain = hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        unrounded = hc_pre_ref(streams.float(), fn, base, scale, 20, 1e-6, 1e-6)[0]  # the same pre, no rounding
+        for wdtype in (torch.bfloat16, torch.float32):
+            w = (torch.rand(40, generator=_gen(2)) + 0.5).to(wdtype)
+            want = rms_norm_ref(plain[0], w, 1e-5)
+            for got in (hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5),
+                        hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out_weight=w, out_eps=1e-5)):
+                assert got[0].dtype == torch.promote_types(dtype, wdtype) and torch.equal(got[0], want)
+                assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+            if dtype == torch.bfloat16:
+                assert not torch.equal(rms_norm_ref(unrounded, w, 1e-5).to(want.dtype), want)
+    with pytest.raises(ValueError, match="out_weight"):
+        hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out_weight=torch.ones(41))
+
+
 def test_fakes_give_shapes_and_dtypes_on_meta():
     m = dict(device="meta")
     streams = torch.empty(5, 4, 64, dtype=torch.bfloat16, **m)
@@ -88,6 +108,10 @@ def test_fakes_give_shapes_and_dtypes_on_meta():
                              1e-6, 1e-6)
     assert (col.shape, col.dtype, post.shape, post.dtype, comb.shape) == ((5, 64), torch.bfloat16, (5, 4),
                                                                            torch.float32, (5, 4, 4))
+    for wdtype in (torch.bfloat16, torch.float32):  # the promoted dtype of streams and the weight
+        col, _, _ = hc_pre(streams, torch.empty(24, 256, **m), torch.empty(24, **m), torch.empty(3, **m), 20, 1e-6,
+                           1e-6, out_weight=torch.empty(64, dtype=wdtype, **m), out_eps=1e-6)
+        assert col.shape == (5, 64) and col.dtype == wdtype
     assert hc_post(torch.empty(5, 64, dtype=torch.bfloat16, **m), streams, post, comb).shape == (5, 4, 64)
     y = rms_norm(torch.empty(3, 7, 64, dtype=torch.bfloat16, **m), torch.empty(64, **m), 1e-6)
     assert y.shape == (3, 7, 64) and y.dtype == torch.float32
@@ -112,6 +136,11 @@ def test_declared_traffic_is_the_hand_count():
                          {})
     assert t == traffic.Traffic(2 * n * hc * dim * 2 + 24 * hc * dim * 4 + 24 * 4 + 3 * 4,
                                 n * dim * 2 + 4 * n * (hc + hc * hc), 1)
+    w = torch.empty(dim, device="meta")  # fp32: an fp32 output, written as scratch, read back, written normalised
+    t = traffic.declared("sgl_kernel_ext::hc_pre", (streams, fn, torch.empty(24), torch.empty(3), 20, 1e-6, 1e-6, w,
+                                                    1e-6), {})
+    assert t == traffic.Traffic(2 * n * hc * dim * 2 + 24 * hc * dim * 4 + 24 * 4 + 3 * 4 + dim * 4 + n * dim * 4,
+                                2 * n * dim * 4 + 4 * n * (hc + hc * hc), 1)
     rows = torch.empty(8, 2048, dtype=torch.long, device="meta")
     keys = torch.empty(10_000, 128, dtype=torch.bfloat16, device="meta")
     q, w = torch.empty(8, 64, 128, dtype=torch.bfloat16), torch.empty(8, 64)
@@ -246,6 +275,31 @@ else:
         assert_close_ulps(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("n,hc,dim,dtype,wdtype", [(5, 3, 40, torch.bfloat16, torch.bfloat16),
+                                                       (9, 3, 300, torch.bfloat16, torch.float32),
+                                                       (3, 4, 48, torch.float32, torch.float32),
+                                                       (2, 2, 24, torch.float32, torch.bfloat16)])
+    def test_kernel_interpreted_hc_pre_out_weight(n, hc, dim, dtype, wdtype):
+        streams, fn, base, scale = hc_case(n, hc, dim, dtype, seed=n)
+        w = (torch.rand(dim, generator=_gen(dim)) + 0.5).to(wdtype)
+        want = hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)
+        got = hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, out_weight=w, out_eps=1e-5, backend="triton")
+        assert got[0].dtype == want[0].dtype
+        # in the streams' ulps: a flipped rounding of the collapse or of the normalised value (the interpreter
+        # truncates fp32 -> bf16 where a GPU rounds to nearest)
+        assert_close_ulps(got[0].to(dtype), want[0].to(dtype))
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+        # negative control: the same check fails without the weight
+        with pytest.raises(AssertionError):
+            assert_close_ulps(rms_norm_ref(hc_pre_ref(streams, fn, base, scale, 20, 1e-6, 1e-6)[0], None, 1e-5),
+                              want[0].to(dtype))
+        if want[0].dtype != dtype:  # the normalised value is rounded to bf16 before the fp32 weight: got / w is bf16
+            assert torch.equal((got[0] / w).to(dtype).float() * w, got[0])
+            # negative control: normalising the unrounded fp32 collapse without that rounding fails the same check
+            unrounded = rms_norm_ref(hc_pre_ref(streams.float(), fn, base, scale, 20, 1e-6, 1e-6)[0], w, 1e-5)
+            assert not torch.equal((unrounded / w).to(dtype).float() * w, unrounded)
 
     @pytest.mark.parametrize("n,hc,dim,dtype", [(5, 4, 64, torch.bfloat16), (3, 3, 48, torch.float32),
                                                 (2, 4, 1500, torch.bfloat16)])

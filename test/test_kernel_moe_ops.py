@@ -5,9 +5,6 @@ router every scoring, a bias of either dtype and a hash layer's table; for the S
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ import torch.nn.functional as F
 from sgl_kernel_ext import traffic
 from sgl_kernel_ext.moe_route import moe_route, moe_route_ref, score
 from sgl_kernel_ext.swiglu import swiglu_op, swiglu_ref
+from support.interpreted import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -68,6 +66,13 @@ def test_swiglu_reference_fake_and_traffic():
                                                                                          4 * 2048 * 2, 1)
     with pytest.raises(ValueError, match="must match"):
         swiglu_op(m, m.float(), 10.0)
+    # the halves of a fused gate-up projection: column slices, read in place (no copy charged) ...
+    gate, up = torch.empty(4, 4096, dtype=torch.bfloat16, device="meta").split(2048, -1)
+    assert traffic.declared("sgl_kernel_ext::swiglu", (gate, up, 10.0), {}) == traffic.Traffic(2 * 4 * 2048 * 2,
+                                                                                             4 * 2048 * 2, 1)
+    # ... a transposed input is not: its copy is charged
+    t = torch.empty(2048, 4, dtype=torch.bfloat16, device="meta").t()
+    assert traffic.declared("sgl_kernel_ext::swiglu", (t, m, 10.0), {}).launches == 2
 
 
 def assert_same_routes(got, want, x, w, bias, scoring, dtype):
@@ -87,14 +92,7 @@ if not INTERPRETED:
 
     def test_triton_kernel_under_interpreter():
         """Re-run this file's kernel tests with TRITON_INTERPRET=1 in a child pytest."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve()),
-             "-k", "kernel_interpreted"],
-            cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert proc.returncode == 0, f"interpreted kernel tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+        run_interpreted(__file__)
 
 else:
 
@@ -126,12 +124,19 @@ else:
         assert_same_routes(got, moe_route_ref(x, w, None, 3, 1.0, "sqrtsoftplus"), x, w, None, "sqrtsoftplus",
                            torch.float32)
 
-    @pytest.mark.parametrize("shape,dtype", [((5, 100), torch.bfloat16), ((3, 7, 64), torch.float32),
-                                             ((1, 1500), torch.bfloat16)])
-    def test_kernel_interpreted_swiglu(shape, dtype):
-        """Values to 3x the limit on both inputs: each clamp matters (without the up clamp this fails)."""
+    @pytest.mark.parametrize("shape,dtype,fused", [((5, 100), torch.bfloat16, False),
+                                                   ((3, 7, 64), torch.float32, False),
+                                                   ((1, 1500), torch.bfloat16, False),
+                                                   ((6, 100), torch.bfloat16, True)])
+    def test_kernel_interpreted_swiglu(shape, dtype, fused):
+        """Values to 3x the limit on both inputs: each clamp matters (without the up clamp this fails). ``fused``:
+        gate and up as the column halves of one projection's output (rows strided, read in place)."""
         g = torch.Generator().manual_seed(shape[-1])
-        gate, up = (torch.randn(shape, generator=g) * 12).to(dtype), (torch.randn(shape, generator=g) * 12).to(dtype)
+        if fused:
+            gate, up = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 12).to(dtype).split(shape[-1], -1)
+        else:
+            gate = (torch.randn(shape, generator=g) * 12).to(dtype)
+            up = (torch.randn(shape, generator=g) * 12).to(dtype)
         got, want = swiglu_op(gate, up, 10.0, backend="triton"), swiglu_ref(gate, up, 10.0)
         assert got.dtype == dtype and got.shape == want.shape
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20

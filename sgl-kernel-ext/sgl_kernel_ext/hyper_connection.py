@@ -5,7 +5,8 @@ decode sizes costs more than the block's matmuls. Each is one pass over a token'
 
 Contracts
 ---------
-hc_pre(streams[N, hc, D], fn[(2 + hc) * hc, hc * D], base[(2 + hc) * hc], scale[3], iters, eps, norm_eps)
+hc_pre(streams[N, hc, D], fn[(2 + hc) * hc, hc * D], base[(2 + hc) * hc], scale[3], iters, eps, norm_eps,
+       *, out_weight[D] | None = None, out_eps = 0.0)
     -> (collapsed[N, D] in streams' dtype, post[N, hc] fp32, comb[N, hc, hc] fp32), all math in fp32:
     ``mix = rms(flat) @ fn^T`` with ``flat = streams[n].flatten()`` and ``rms(v) = v * rsqrt(mean(v^2) + norm_eps)``;
     ``mix`` splits into ``[hc | hc | hc * hc]`` columns (``base`` likewise; ``scale`` = one factor per part):
@@ -13,6 +14,10 @@ hc_pre(streams[N, hc, D], fn[(2 + hc) * hc, hc * D], base[(2 + hc) * hc], scale[
     ``comb = softmax_j(mix_comb[i, j] * scale[2] + base_comb[i, j]) + eps``, then ``comb /= colsum + eps`` and
     ``iters - 1`` rounds of ``comb /= rowsum + eps; comb /= colsum + eps`` (Sinkhorn; colsum over i, rowsum over j);
     ``collapsed = round(sum_i pre[i] * streams[n, i])``.
+    With ``out_weight`` the first output is instead the sub-block's RMSNorm of that (rounded) collapse, exactly
+    ``rms_norm_ref(collapsed, out_weight, out_eps)`` (see ``rms_norm``): ``round_X(c * rsqrt(mean(c^2) + out_eps))``
+    then ``round_Y(out_weight * that)``, in Y = the promoted dtype of streams and out_weight; post and comb unchanged.
+    One launch either way (the norm costs one more write and read of the [N, D] output, see ``hc_pre_traffic``).
 hc_post(out[N, D], streams[N, hc, D], post[N, hc], comb[N, hc, hc]) -> [N, hc, D] in streams' dtype X:
     ``new[i] = round(round(post_X[i] * out) + round(sum_j comb_X[j, i] * streams[j]))`` with ``post_X`` and
     ``comb_X`` post and comb rounded to X, products and the sum over j in fp32.
@@ -22,14 +27,18 @@ autograd runs (training): the custom ops have no backward.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import traffic
 from .ops import _backend, plain_reference
+from .rms_norm import rms_norm_ref
 
 
 def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-               eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               eps: float, norm_eps: float, out_weight: torch.Tensor | None = None,
+               out_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hc = streams.shape[1]
     flat = streams.flatten(1).float()
     normed = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
@@ -42,6 +51,8 @@ def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb = torch.softmax(comb_w.view(-1, hc, hc) * s_comb + comb_b.view(hc, hc), dim=-1) + eps
     comb = sinkhorn(comb, iters, eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+    if out_weight is not None:
+        collapsed = rms_norm_ref(collapsed, out_weight, out_eps)
     return collapsed, post, comb
 
 
@@ -66,7 +77,7 @@ def hc_post_ref(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, co
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(1) + comb.to(dt).transpose(1, 2) @ streams
 
 
-def _check_pre(streams, fn, base, scale):
+def _check_pre(streams, fn, base, scale, out_weight=None):
     if streams.dim() != 3:
         raise ValueError(f"streams must be [N, hc, D], got {tuple(streams.shape)}")
     _, hc, dim = streams.shape
@@ -74,34 +85,50 @@ def _check_pre(streams, fn, base, scale):
     if fn.shape != (rows, hc * dim) or base.shape != (rows,) or scale.shape != (3,):
         raise ValueError(f"fn [{rows}, {hc * dim}], base [{rows}], scale [3] expected for streams "
                          f"{tuple(streams.shape)}, got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}")
+    if out_weight is not None and out_weight.shape != (dim,):
+        raise ValueError(f"out_weight must be [{dim}] for streams {tuple(streams.shape)}, got "
+                         f"{tuple(out_weight.shape)}")
+
+
+def _collapsed_dtype(streams: torch.Tensor, out_weight: torch.Tensor | None) -> torch.dtype:
+    return streams.dtype if out_weight is None else torch.promote_types(streams.dtype, out_weight.dtype)
 
 
 @torch.library.custom_op("sgl_kernel_ext::hc_pre", mutates_args=())
 def _hc_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-               eps: float, norm_eps: float, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                torch.Tensor]:
+               eps: float, norm_eps: float, out_weight: Optional[torch.Tensor] = None, out_eps: float = 0.0,
+               backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _backend(backend, streams) == "torch":
-        return hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps)
+        return hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps, out_weight, out_eps)
     from .triton_hyper_connection import hc_pre_triton
 
-    return hc_pre_triton(streams, fn, base, scale, iters, eps, norm_eps)
+    return hc_pre_triton(streams, fn, base, scale, iters, eps, norm_eps, out_weight, out_eps,
+                         _collapsed_dtype(streams, out_weight))
 
 
 @_hc_pre_op.register_fake
-def _(streams, fn, base, scale, iters, eps, norm_eps, backend=None):
+def _(streams, fn, base, scale, iters, eps, norm_eps, out_weight=None, out_eps=0.0, backend=None):
     n, hc, dim = streams.shape
     f32 = torch.float32
-    return streams.new_empty(n, dim), streams.new_empty(n, hc, dtype=f32), streams.new_empty(n, hc, hc, dtype=f32)
+    return (streams.new_empty(n, dim, dtype=_collapsed_dtype(streams, out_weight)),
+            streams.new_empty(n, hc, dtype=f32), streams.new_empty(n, hc, hc, dtype=f32))
 
 
 @traffic.declare("sgl_kernel_ext::hc_pre")
-def hc_pre_traffic(streams, fn, base, scale, iters, eps, norm_eps, backend=None) -> traffic.Traffic:
+def hc_pre_traffic(streams, fn, base, scale, iters, eps, norm_eps, out_weight=None, out_eps=0.0,
+                   backend=None) -> traffic.Traffic:
     """Streams read twice (the mix, then the collapse: a token's hc x D values do not stay in registers), the
     projection once (its tiles are shared by the token blocks through L2), the three outputs written once; one
-    launch."""
+    launch. With ``out_weight``: the weight read once (shared through L2 like the projection), and the [N, D]
+    output written twice and read once in between (the collapse pass stores the rounded collapse there while
+    summing its squares, then the norm pass reads it back and overwrites it with the normalised values)."""
     n, hc, dim = streams.shape
     read = 2 * traffic.nbytes(streams) + traffic.nbytes(fn) + traffic.nbytes(base) + traffic.nbytes(scale)
-    written = n * dim * streams.element_size() + 4 * n * (hc + hc * hc)
+    out = n * dim * torch.empty((), dtype=_collapsed_dtype(streams, out_weight), device="meta").element_size()
+    written = out + 4 * n * (hc + hc * hc)
+    if out_weight is not None:
+        read += traffic.nbytes(out_weight) + out
+        written += out
     return traffic.Traffic(read, written, 1)
 
 
@@ -128,13 +155,15 @@ def hc_post_traffic(out, streams, post, comb, backend=None) -> traffic.Traffic:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(collapsed, post, comb) of the streams (see the module doc)."""
-    _check_pre(streams, fn, base, scale)
-    if plain_reference(backend, streams, fn, base, scale):
-        return hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps)
+           norm_eps: float, *, out_weight: torch.Tensor | None = None, out_eps: float = 0.0,
+           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(collapsed, post, comb) of the streams, collapsed RMS-normalised with ``out_weight`` when given (see the
+    module doc)."""
+    _check_pre(streams, fn, base, scale, out_weight)
+    if plain_reference(backend, streams, fn, base, scale, out_weight):
+        return hc_pre_ref(streams, fn, base, scale, iters, eps, norm_eps, out_weight, out_eps)
     return torch.ops.sgl_kernel_ext.hc_pre(streams, fn, base, scale, int(iters), float(eps), float(norm_eps),
-                                           backend)
+                                           out_weight, float(out_eps), backend)
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,

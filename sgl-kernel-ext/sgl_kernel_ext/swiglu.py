@@ -33,13 +33,25 @@ def _(gate, up, limit, backend=None):
 
 @traffic.declare("sgl_kernel_ext::swiglu")
 def swiglu_traffic(gate, up, limit, backend=None) -> traffic.Traffic:
-    """gate and up read once, the product written once; one launch (plus a copy of an input that is not
-    contiguous)."""
+    """gate and up read once, the product written once; one launch (plus a copy of an input whose rows do not have
+    one stride with unit-strided columns: rows at any stride, e.g. column slices of a fused projection, need
+    none)."""
     moved = traffic.Traffic(traffic.nbytes(gate) + traffic.nbytes(up), traffic.nbytes(gate), 1)
     for t in (gate, up):
-        if not t.is_contiguous():
+        if not _row_strided(t):
             moved = moved + traffic.Traffic(traffic.nbytes(t), traffic.nbytes(t), 1)
     return moved
+
+
+def _row_strided(t: torch.Tensor) -> bool:
+    """Whether ``t`` flattens to ``[rows, columns]`` without a copy, columns unit-strided (what the kernel reads
+    in place)."""
+    if t.dim() == 0 or t.shape[-1] <= 1:
+        return True
+    if t.stride(-1) != 1:
+        return False
+    lead = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True) if size > 1]
+    return all(outer == inner_size * inner for (_, outer), (inner_size, inner) in zip(lead, lead[1:], strict=False))
 
 
 def swiglu_op(gate: torch.Tensor, up: torch.Tensor, limit: float, *, backend: str | None = None) -> torch.Tensor:

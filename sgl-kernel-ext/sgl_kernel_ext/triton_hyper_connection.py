@@ -5,7 +5,11 @@ squares and the three projections (pre, post, comb rows of ``fn``) as broadcast 
 (IEEE: no TF32; at decode sizes this is a few hundred thousand MACs per token, not worth tensor cores). The RMS
 factor is applied to the sums afterwards. The 2 hc + hc^2 values per token then go through the sigmoids, the
 softmax and the Sinkhorn rounds in registers (hc padded to HCP, a power of two >= 4, padded cells held at 0). Pass 2
-re-reads the streams in BLOCK_D tiles for the collapse. hc_post: one program per (token, BLOCK_D channels).
+re-reads the streams in BLOCK_D tiles for the collapse. With an output weight (HAS_W), pass 2 also sums the squares of
+the collapse rounded to the streams' dtype and stores that rounded collapse in the output as scratch (exact: the
+output's dtype holds the streams'); after a block barrier, pass 3 reads the program's own rows back and overwrites
+them with the weighted RMSNorm (a token's D values do not stay in registers either). hc_post: one program per
+(token, BLOCK_D channels).
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ def _hc_pre_kernel(
     base_ptr, scale_ptr,
     col_ptr, col_sn,
     post_ptr, comb_ptr,
-    N, DIM, eps, norm_eps,
-    HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+    w_ptr, w_sd,
+    N, DIM, eps, norm_eps, out_eps,
+    HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, HAS_W: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -89,15 +94,33 @@ def _hc_pre_kernel(
     tl.store(comb_ptr + out_n[:, None] * (HC * HC) + (ci * HC + cj)[None, :], comb_flat,
              mask=mask_n[:, None] & mask_c[None, :])
 
+    x_dt = x_ptr.dtype.element_ty
+    col_dt = col_ptr.dtype.element_ty
+    col_rows = col_ptr + out_n[:, None] * col_sn
+    sq_col = tl.zeros([BLOCK_N], dtype=tl.float32)
     for d0 in range(0, DIM, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < DIM
         x3 = tl.load(x_rows[:, None, None] + offs_p[None, :, None] * x_sh + offs_d[None, None, :] * x_sd,
                      mask=mask_n[:, None, None] & mask_p[None, :, None] & mask_d[None, None, :],
                      other=0.0).to(tl.float32)
-        collapsed = tl.sum(x3 * pre[:, :, None], axis=1)
-        tl.store(col_ptr + out_n[:, None] * col_sn + offs_d[None, :], collapsed.to(col_ptr.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_d[None, :])
+        collapsed = tl.sum(x3 * pre[:, :, None], axis=1).to(x_dt)
+        if HAS_W:
+            c = collapsed.to(tl.float32)
+            sq_col += tl.sum(c * c, axis=1)  # padded lanes and rows collapse to 0
+        tl.store(col_rows + offs_d[None, :], collapsed.to(col_dt), mask=mask_n[:, None] & mask_d[None, :])
+
+    if HAS_W:
+        tl.debug_barrier()  # this program's scratch stores are visible to all its threads
+        inv_col = 1.0 / tl.sqrt(sq_col / DIM + out_eps)
+        for d0 in range(0, DIM, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < DIM
+            mask = mask_n[:, None] & mask_d[None, :]
+            c = tl.load(col_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_d * w_sd, mask=mask_d, other=0.0).to(tl.float32)
+            y = (c * inv_col[:, None]).to(x_dt).to(tl.float32) * w[None, :]
+            tl.store(col_rows + offs_d[None, :], y.to(col_dt), mask=mask)
 
 
 @triton.jit
@@ -133,9 +156,11 @@ def _hcp(hc: int) -> int:
 
 
 def hc_pre_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                  eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  eps: float, norm_eps: float, out_weight: torch.Tensor | None = None, out_eps: float = 0.0,
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out_dtype: the first output's dtype (the promoted dtype of streams and out_weight; streams' without it)."""
     n, hc, dim = streams.shape
-    collapsed = streams.new_empty(n, dim)
+    collapsed = streams.new_empty(n, dim, dtype=out_dtype or streams.dtype)
     post = streams.new_empty(n, hc, dtype=torch.float32)
     comb = streams.new_empty(n, hc, hc, dtype=torch.float32)
     if n == 0:
@@ -150,8 +175,9 @@ def hc_pre_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
         base.contiguous(), scale.contiguous(),
         collapsed, collapsed.stride(0),
         post, comb,
-        n, dim, float(eps), float(norm_eps),
-        HC=hc, HCP=hcp, ITERS=max(int(iters), 1),
+        collapsed if out_weight is None else out_weight, 0 if out_weight is None else out_weight.stride(0),
+        n, dim, float(eps), float(norm_eps), float(out_eps),
+        HC=hc, HCP=hcp, ITERS=max(int(iters), 1), HAS_W=out_weight is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d,
         num_warps=4,
     )

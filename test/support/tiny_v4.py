@@ -58,6 +58,18 @@ def randomize(model: DSV4Model, seed: int) -> None:
                                      for _ in range(b.shape[0])]))
 
 
+def prefill_decode_logits(model: DSV4Model, prompt: torch.Tensor, prefill: int = 20) -> torch.Tensor:
+    """Logits of one request: a prefill of the prompt's first ``prefill`` tokens, then one decode per remaining
+    token (the runner's slots reach across the tiny model's CSA and HCA blocks)."""
+    from sglang_tree_v4.testing.runner import DSV4Runner
+    runner = DSV4Runner(model, num_slots=64, max_len=64, max_reqs=1)
+    rid = runner.add_request()
+    out = [runner.extend([rid], [prompt[:prefill]])[0].logits]
+    for t in prompt[prefill:]:
+        out.append(runner.decode([rid], [int(t)])[0].logits)
+    return torch.cat(out)
+
+
 def build(out: Path, seed: int = 0, hca_ratio: int = 8) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer([r["question"] for r in prompts.gsm8k("train")[:400]], vocab_size=512)

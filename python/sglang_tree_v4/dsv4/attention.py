@@ -24,9 +24,11 @@ from sgl_kernel_ext.weight_formats import FP8_BLOCK, FP8_DTYPE
 from .compressor import Compressor, Indexer
 from .config import CSA, HCA, SLIDING, DSV4Config
 from .hca_compressor import HcaCompressor
-from .norm import RMSNorm, rms
+from .norm import RMSNorm
 from .rope import Rope
 from .storage import ForwardBatch, SlotStore
+
+CSA_ROW_PIECES = ("ckv", "cscore", "ikv", "iscore")  # in ``storage.layer_layout``'s order
 
 
 class Attention(nn.Module):
@@ -57,22 +59,29 @@ class Attention(nn.Module):
         if layer_type == CSA:
             self.indexer = Indexer(D, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
                                    cfg.rms_norm_eps)
+        # Set by ``checkpoint.fuse`` once the weights are loaded: ``wq_a`` + ``wkv``, and the compressors' (and the
+        # indexer's head weights') projections, each as one matmul.
+        self.q_kv_a: nn.Module | None = None
+        self.compress_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
         n, H, hd, W = x.shape[0], self.n_heads, self.head_dim, self.window
         cos, sin = fb.memo(("rope", id(rope)), lambda: rope.cos_sin(fb.positions))
-        q_res = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(q_res).view(n, H, hd), self.eps)
-        q = rope.rotate(q, cos[:, None], sin[:, None])
-        k = rope.rotate(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.q_kv_a is not None:
+            q_a, kv_a = self.q_kv_a(x).split(self.q_kv_a.widths, -1)
+        else:
+            q_a, kv_a = self.wq_a(x), self.wkv(x)
+        q_res = self.q_norm(q_a)
+        q = rope.norm_rotate(self.wq_b(q_res).view(n, H, hd), None, self.eps, cos[:, None], sin[:, None])
+        k = rope.norm_rotate(kv_a, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
 
         # 1) own rows only: the key, the compressor rows or state; 2) then the entries of block-closing queries
         store.write(layer, "k", fb.out_slots, k)
+        head_w = None
         if self.layer_type == HCA:
-            self.compressor.update(x, fb, store, layer, rope)
+            self.compressor.update(self._compressor_rows(x)[1], fb, store, layer, rope)
         if self.indexer is not None:
-            own = self.compressor.write_rows(x, fb, store, layer, "ckv", "cscore")
-            own_index = self.indexer.compressor.write_rows(x, fb, store, layer, "ikv", "iscore")
+            own, own_index, head_w = self._write_csa_rows(x, fb, store, layer)
             self.compressor.close_blocks(fb, store, layer, rope, "ckv", "cscore", "entry", own)
             self.indexer.compressor.close_blocks(fb, store, layer, rope, "ikv", "iscore", "ientry", own_index)
         # 3) gather what each query sees (slot lists are the same for every layer: computed once per forward)
@@ -83,9 +92,10 @@ class Attention(nn.Module):
         if self.compressor is not None:
             r = self.ratio
             if self.indexer is not None:  # CSA: only the selected entries' slots are looked up
-                idx, ok = self.indexer.select(x, q_res, fb, store, layer, rope, cos, sin)
-                ent_rows = self.indexer.selected_rows(fb, store, layer, idx, ok)  # the scored candidates' rows
+                idx, score = self.indexer.select(head_w, q_res, fb, store, layer, rope, cos, sin)
+                ent_rows = self.indexer.selected_rows(fb, store, layer, idx)  # the scored candidates' rows
                 if ent_rows is None:  # scored in several chunks: looked up now
+                    ok = score > float("-inf")
                     ent_rows = store.index(layer, "entry",
                                            torch.where(ok, fb.table.lookup(idx * r + r - 1, entries=True), -1))
             else:  # HCA: every visible entry (one per 128 positions); the same rows in every HCA layer
@@ -98,6 +108,32 @@ class Attention(nn.Module):
                                       self.attn_sink.to(q.dtype), hd ** -0.5)
         o = rope.rotate(o, cos[:, None], sin[:, None], inverse=True)
         return self.wo_b(self._grouped_wo_a(o.reshape(n, self.o_groups, H * hd // self.o_groups)))
+
+    def _compressor_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The compressors' rows ``[kv, score]`` (CSA: then the indexer compressor's, then the indexer's head
+        weights) and, where ``checkpoint.fuse`` stacked their weights into one matmul, that matmul's output (the
+        parts are its column slices; None otherwise)."""
+        if self.compress_proj is not None:
+            y = self.compress_proj(x)
+            return y, list(y.split(self.compress_proj.widths, -1))
+        parts = self.compressor.project(x)
+        if self.indexer is not None:
+            parts += [*self.indexer.compressor.project(x), self.indexer.weights_proj(x)]
+        return None, parts
+
+    def _write_csa_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int):
+        """Store every query's four CSA compressor pieces (one scatter when fused: the projection's columns are
+        the row's); returns the two compressors' own ``(kv, score)`` rows and the indexer's head weights."""
+        y, (ckv, cscore, ikv, iscore, head_w) = self._compressor_rows(x)
+        slots = fb.out_slots
+        if store.in_ring(layer, "ckv"):
+            slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
+        if y is not None:
+            store.write_pieces(layer, CSA_ROW_PIECES, slots, y[:, : y.shape[1] - head_w.shape[1]])
+        else:
+            for piece, rows in zip(CSA_ROW_PIECES, (ckv, cscore, ikv, iscore), strict=True):
+                store.write(layer, piece, slots, rows)
+        return (ckv, cscore), (ikv, iscore), head_w
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """``[n, g, H*hd/g]`` -> ``[n, g * o_lora_rank]``: group i through rows ``i*R .. (i+1)*R`` of ``wo_a``. An

@@ -32,10 +32,10 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(*args)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope) -> torch.Tensor:
-        x, post, comb = self.hc_attn.pre(h)
-        h = HyperConnection.post(self.attn(self.attn_norm(x), fb, store, layer, rope), h, post, comb)
-        x, post, comb = self.hc_ffn.pre(h)
-        return HyperConnection.post(self.ffn(self.ffn_norm(x), fb.input_ids), h, post, comb)
+        x, post, comb = self.hc_attn.pre(h, self.attn_norm)  # x normalised: the norm in the same op
+        h = HyperConnection.post(self.attn(x, fb, store, layer, rope), h, post, comb)
+        x, post, comb = self.hc_ffn.pre(h, self.ffn_norm)
+        return HyperConnection.post(self.ffn(x, fb.input_ids), h, post, comb)
 
 
 @dataclass

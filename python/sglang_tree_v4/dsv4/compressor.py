@@ -44,28 +44,29 @@ class CompressorWeights(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width))
         self.norm = RMSNorm(d, eps)
 
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``[kv, score]`` rows of the input (where ``checkpoint.fuse`` has not stacked them into the attention's
+        one projection)."""
+        return [self.wkv(x), self.wgate(x)]
+
 
 class Compressor(CompressorWeights):
     """An overlapping (CSA) compressor: rows stored per position, entries pooled from them when a block closes."""
 
     def __init__(self, dim_in: int, d: int, ratio: int, eps: float):
         super().__init__(dim_in, d, ratio, True, eps)
+        self.register_buffer("pooled_ape", None)  # ``pool_ape()``, stored so by ``checkpoint.fuse``
 
-    def write_rows(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, kv: str,
-                   score: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store every query's kv and score rows; returns them (``close_blocks`` reads its own from them)."""
-        kv_rows, score_rows = self.wkv(x), self.wgate(x)
-        slots = fb.out_slots
-        if store.in_ring(layer, kv):
-            slots = fb.memo("ring_out", lambda: store.ring_write_slots(fb.out_slots))
-        store.write(layer, kv, slots, kv_rows)
-        store.write(layer, score, slots, score_rows)
-        return kv_rows, score_rows
+    def pool_ape(self) -> torch.Tensor:
+        """``[2r, d]``: the position biases in the order the pooling reads its window -- the previous block's
+        ``Ca`` halves, then its own block's ``Cb`` halves."""
+        d = self.d
+        return torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
 
     def close_blocks(self, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope, kv: str, score: str,
                      entry: str, own: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Compute and store the entries of the queries that close a block (rows already written; ``own``: what
-        ``write_rows`` returned)."""
+        """Compute and store the entries of the queries that close a block (rows already written; ``own``: this
+        forward's own ``(kv, score)`` rows, ``Attention._write_csa_rows``)."""
         r, d = self.ratio, self.d
         span = 2 * r
         closers, slots, closes = fb.memo(("closers", r, span), lambda: _closer_rows(fb, r, span))
@@ -76,7 +77,7 @@ class Compressor(CompressorWeights):
         col_off, cos, sin = fb.memo(("closer_consts", r, span, d, id(rope)), lambda: (
             torch.arange(2 * r, device=closers.device).ge(r).long() * d,  # no host-to-device copy
             *rope.cos_sin(((fb.positions[closers] + 1) // r - 1) * r)))
-        ape = torch.cat([self.ape[:, :d], self.ape[:, d:]], dim=0)
+        ape = self.pooled_ape if self.pooled_ape is not None else self.pool_ape()
         # Gated pooling + RMSNorm + RoPE in fp32: the kernel on a GPU, its torch reference here.
         if store.in_ring(layer, kv):
             kv_src, score_src, rows = _own_or_stored(fb, store, layer, (kv, score), slots, own, span)
@@ -145,23 +146,24 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(dim_in, n_heads, bias=False)
         self.compressor = Compressor(dim_in, head_dim, 4, eps)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
+    def select(self, w: torch.Tensor, q_res: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int,
                rope: Rope, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (entry indices [N, k], valid [N, k]); k = min(index_topk, max visible count in the batch, or the
-        capacity ``fb.caps.entries(4)`` with fixed shapes).
+        """-> (entry indices [N, k], their scores [N, k]: ``-inf`` exactly where a selection is not valid, past the
+        query's visible count, see ``selected_rows``); ``w``: the queries' head weights (``weights_proj`` of the
+        attention input; scaled by n_heads ** -0.5 in fp32 inside the scores op); k = min(index_topk, max visible
+        count in the batch, or the capacity ``fb.caps.entries(4)`` with fixed shapes).
 
         The scores are one ``indexer_scores`` op per chunk of ``chunk_entries(N)`` entries (one chunk for a decode
         or a draft tree up to long contexts), with a running top-k across chunks, so the temporaries are bounded by
         the chunk, not by the context."""
-        n = x.shape[0]
+        n = w.shape[0]
         emax = fb.entry_width(4)
         if emax == 0:
-            z = torch.zeros(n, 0, dtype=torch.long, device=x.device)
-            return z, z.bool()
+            z = torch.zeros(n, 0, dtype=torch.long, device=w.device)
+            return z, z.float()
         k = min(self.topk, emax)
         q = self.wq_b(q_res).view(n, self.n_heads, self.head_dim)
         q = rope.rotate(q, cos[:, None], sin[:, None])
-        w = self.weights_proj(x)  # scaled by n_heads ** -0.5 in fp32 inside the scores op
         best_score = best_idx = None
         step = self.chunk_entries(n)
         for e0 in range(0, emax, step):
@@ -178,9 +180,7 @@ class Indexer(nn.Module):
                 # the first chunk's candidates are 0, 1, ...: their picks are the top-k's own indices
                 picked = top.indices if best_idx is cand and e0 == 0 else best_idx.gather(1, top.indices)
                 best_score, best_idx = top.values, picked
-        if k == emax:  # everything visible is kept: no selection needed (entries in ascending order)
-            return best_idx, best_idx < ((fb.positions + 1) // 4)[:, None]
-        return best_idx, best_score > float("-inf")
+        return best_idx, best_score
 
     @staticmethod
     def candidates(fb: ForwardBatch, e0: int, step: int) -> torch.Tensor:
@@ -202,12 +202,12 @@ class Indexer(nn.Module):
 
         return fb.memo(("index_rows", e0, step, store.scratch_base[layer]), look)
 
-    def selected_rows(self, fb: ForwardBatch, store: SlotStore, layer: int, idx: torch.Tensor,
-                      ok: torch.Tensor) -> torch.Tensor | None:
-        """Token rows of the selected entries ``idx`` (``-1`` where not ``ok``), gathered from the candidates' rows
-        where one chunk held every candidate; None otherwise. A selection is not ``ok`` exactly where its candidate
+    def selected_rows(self, fb: ForwardBatch, store: SlotStore, layer: int,
+                      idx: torch.Tensor) -> torch.Tensor | None:
+        """Token rows of the selected entries ``idx`` (``-1`` where not valid), gathered from the candidates' rows
+        where one chunk held every candidate; None otherwise. A selection is not valid exactly where its candidate
         has no row (past the query's visible count: row ``-1``, score ``-inf``), so the gathered rows are already
-        ``-1`` there and ``ok`` needs no second pass."""
+        ``-1`` there and validity needs no pass of its own."""
         emax = fb.entry_width(4)
         step = self.chunk_entries(fb.positions.shape[0])
         if emax == 0 or emax > step:

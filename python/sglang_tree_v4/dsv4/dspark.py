@@ -191,7 +191,7 @@ def write_context(model: nn.Module, features: torch.Tensor, positions: torch.Ten
     rope = model.ropes["main"]
     cos, sin = rope.cos_sin(positions)
     for s, stage in enumerate(drafter.stages):
-        k = rope.rotate(stage.attn.kv_norm(stage.attn.wkv(x)), cos, sin)
+        k = rope.norm_rotate(stage.attn.wkv(x), stage.attn.kv_norm.weight, stage.attn.kv_norm.eps, cos, sin)
         store.write(s, "k", slots, k)
 
 

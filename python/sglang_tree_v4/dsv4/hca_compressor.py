@@ -28,7 +28,6 @@ import math
 import torch
 
 from sgl_kernel_ext.hca_fold import hca_fold
-from sgl_kernel_ext.rms_norm import rms_norm
 
 from .compressor import CompressorWeights
 from .rope import Rope
@@ -41,16 +40,19 @@ class HcaCompressor(CompressorWeights):
 
     def __init__(self, dim_in: int, d: int, ratio: int, eps: float):
         super().__init__(dim_in, d, ratio, False, eps)
+        self.register_buffer("ape_f32", None)  # ``ape`` in fp32, stored so by ``checkpoint.fuse``
 
-    def update(self, x: torch.Tensor, fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope,
+    def update(self, rows: list[torch.Tensor], fb: ForwardBatch, store: SlotStore, layer: int, rope: Rope,
                state: str = "cstate", entry: str = "entry") -> None:
-        """Every query's state into its own slot, then block-closing queries' entries."""
+        """Every query's state into its own slot, then block-closing queries' entries; ``rows``: the queries'
+        ``[kv, score]`` projections (``Attention._compressor_rows``)."""
         r, d = self.ratio, self.d
         p = fb.positions
         # Per forward, not per layer (the same tensors in every HCA layer, so their slot rows are mapped once too).
         phase, start, closes = fb.memo(("hca_phases", r), lambda: (p % r, p % r == 0, (p + 1) % r == 0))
-        v = self.wkv(x).float()
-        s = self.wgate(x).float() + self.ape.float()[phase]
+        ape = self.ape_f32 if self.ape_f32 is not None else self.ape.float()
+        v = rows[0].float()
+        s = ape[phase] + rows[1]  # promoted to fp32 in the add: the same values as rows[1].float() + ape
         pred, hit, query = fb.memo("hca_predecessors", lambda: _predecessors(fb))
         stored = store.read(layer, state, pred).float()  # read before this forward writes any ring row
         n = p.shape[0]
@@ -70,10 +72,10 @@ class HcaCompressor(CompressorWeights):
             o, p = o[closers], p[closers]
         m = o.shape[0]  # the [rows, 1] rsqrt and the RoPE's cos/sin of p must run whole vectors too
         o, p = _whole_vectors((o, p), 1)
-        y = rms_norm(o, self.norm.weight, self.norm.eps)  # o is fp32: the whole norm is (the weight promoted)
-        # RoPE at the entry's first position: the same in every HCA layer of the forward
+        # RoPE at the entry's first position: the same in every HCA layer of the forward. o is fp32: the whole norm
+        # is (the weight promoted).
         cos, sin = fb.memo(("hca_entry_rope", r, p.shape[0], id(rope)), lambda: rope.cos_sin(p + 1 - r))
-        y = rope.rotate(y, cos, sin)[:m]
+        y = rope.norm_rotate(o, self.norm.weight, self.norm.eps, cos, sin)[:m]
         if fb.caps is None:
             store.write(layer, entry, fb.entry_out_slots[closers], y)
         else:  # fixed shapes: every query computed its would-be entry; only block-closers keep it

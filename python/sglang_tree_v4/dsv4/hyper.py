@@ -17,7 +17,7 @@ from torch import nn
 
 from sgl_kernel_ext.hyper_connection import hc_post, hc_pre
 
-from .norm import rms
+from .norm import RMSNorm, rms
 
 
 class HyperConnection(nn.Module):
@@ -32,9 +32,14 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + hc) * hc))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, hc, D] -> (collapsed [N, D], post [N, hc], comb [N, hc, hc])."""
-        return hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
+    def pre(self, streams: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+        """streams [N, hc, D] -> (collapsed [N, D], post [N, hc], comb [N, hc, hc]); with the sub-block's input
+        ``norm``, the collapse normalised by it in the same op (one launch for both on a GPU)."""
+        if norm is None:
+            return hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
+        return hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps,
+                      out_weight=norm.weight, out_eps=norm.eps)
 
     @staticmethod
     def post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

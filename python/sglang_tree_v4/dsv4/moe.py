@@ -26,9 +26,14 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(inter, dim, bias=False)
         self.w3 = nn.Linear(dim, inter, bias=False)
         self.limit = limit
+        self.w13: nn.Module | None = None  # w1 and w3 as one matmul, set by ``checkpoint.fuse``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu_op(self.w1(x), self.w3(x), self.limit))
+        if self.w13 is not None:
+            gate, up = self.w13(x).split(self.w13.widths, -1)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(swiglu_op(gate, up, self.limit))
 
 
 class Gate(nn.Module):

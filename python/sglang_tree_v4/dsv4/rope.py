@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from sgl_kernel_ext.rms_norm_rope import rms_norm_rope
 from sgl_kernel_ext.rope import rope_rotate
 
 from .config import DSV4Config
@@ -64,6 +65,14 @@ class Rope:
         if x.dim() == 3:
             return rope_rotate(x, cos[:, 0], sin[:, 0], inverse)
         return rope_rotate(x[:, None], cos, sin, inverse)[:, 0]
+
+    def norm_rotate(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+        """``rotate(rms_norm(x, weight, eps), cos, sin)``, shapes as ``rotate``'s: ``sgl_kernel_ext.rms_norm_rope``
+        (one kernel on a GPU for what V4 always does back to back to its queries, keys and HCA entries)."""
+        if x.dim() == 3:
+            return rms_norm_rope(x, weight, eps, cos[:, 0], sin[:, 0])
+        return rms_norm_rope(x[:, None], weight, eps, cos, sin)[:, 0]
 
 
 def ropes_for(cfg: DSV4Config) -> dict[str, Rope]:

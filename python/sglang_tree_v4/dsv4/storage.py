@@ -331,6 +331,30 @@ class SlotStore:
         codec = self._codec(layer, piece)
         self._write_stored(layer, piece, slots, values if codec is None else codec.encode(values))
 
+    def write_pieces(self, layer: int, pieces: tuple[str, ...], slots: torch.Tensor, values: torch.Tensor) -> None:
+        """``write`` of several plain (not coded) pieces at the same slots, ``values`` holding their columns side
+        by side in ``pieces`` order: one scatter where the pieces sit next to each other, in that order, in one
+        buffer -- a CSA layer's four compressor pieces, produced by one fused projection -- else one per piece."""
+        where = [self._where(layer, p) for p in pieces]
+        if any(self._codec(layer, p) is not None for p in pieces):
+            raise ValueError(f"write_pieces: {pieces} include a coded piece")
+        widths = [w for _, _, w, _ in where]
+        if values.shape[-1] != sum(widths):
+            raise ValueError(f"pieces {pieces} are {sum(widths)} columns wide, values {values.shape[-1]}")
+        bufs, off, _, kind = where[0]
+        adjacent = all(b is bufs and k == kind and o == off + sum(widths[:i])
+                       for i, (b, o, _, k) in enumerate(where))
+        if not adjacent:
+            for p, part in zip(pieces, values.split(widths, -1), strict=True):
+                self._write_stored(layer, p, slots, part)
+            return
+        rows, buf, end = self._rows(layer, slots, kind), bufs[layer], off + sum(widths)
+        if values.requires_grad and torch.is_grad_enabled():
+            cols = torch.arange(off, end, device=buf.device)
+            bufs[layer] = buf.index_put((rows[:, None], cols[None, :]), values.to(buf.dtype))
+        else:
+            buf[rows, off:end] = values.to(buf.dtype)
+
     def _write_stored(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write what the buffer holds (a codec's bytes for a coded piece)."""
         bufs, off, w, kind = self._where(layer, piece)

@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..checkpoint.fuse import fuse_projections
 from ..checkpoint.swap import build_model, parameter_bytes
 from ..checkpoint.tp import shard_model
 from ..checkpoint.weights import StreamingLoader, iter_safetensors
@@ -321,6 +322,7 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             self.model.mtp = nn.ModuleList()
             loader.forget("mtp.")
         loader.finish()
+        fuse_projections(self.model)  # after loading: the checkpoint's tensors fill the separate linears
         rank, size = self.model.tp_rank_size
         logger.info("TREE_V4 DeepSeek-V4 parameters: %s",
                     json.dumps(dict(parameter_bytes(self.model), tp_rank=rank, tp=size)))

@@ -35,6 +35,7 @@ def build(config_path: str, tp: int, tp_rank: int, dtype: torch.dtype = torch.bf
     """The server's model for one rank, on meta."""
     from sglang.srt.runtime_context import get_parallel
 
+    from ..checkpoint.fuse import fuse_projections
     from ..checkpoint.swap import build_model
     from ..checkpoint.tp import shard_model
     from ..dsv4.config import DSV4Config
@@ -44,7 +45,9 @@ def build(config_path: str, tp: int, tp_rank: int, dtype: torch.dtype = torch.bf
         raw = json.load(f)
     cfg = DSV4Config.from_dict(raw)
     with get_parallel().override(tp_size=tp, tp_rank=tp_rank):
-        return build_model(cfg, raw, with_mtp=True, dtype=dtype, device="meta", shard=shard_model if tp > 1 else None)
+        model = build_model(cfg, raw, with_mtp=True, dtype=dtype, device="meta", shard=shard_model if tp > 1 else None)
+    fuse_projections(model)  # as the server does once its weights are loaded
+    return model
 
 
 def _bytes(tensors) -> int:
