@@ -92,6 +92,37 @@ def test_statistics_come_from_every_fourth_step_and_every_exploring_run():
         assert (float(policy.stats.weight[2, 4]) != before) == exploring
 
 
+def test_rarely_run_shapes_follow_the_current_traffic_through_their_gains():
+    """Explorations of D8 ran in an easy stretch (D4 3.5 tokens, D8 4.5); since then only D4 ran, on harder
+    traffic (2.0 tokens). D8's plain mean is stale at 4.5 -- the policy would pick it -- but its estimate is D4's
+    current 2.0 plus the 1.0 the four extra nodes gained in the explorations. With every update covering both, the
+    estimate is the plain mean."""
+    from sglang_tree_v4.speculative.adaptive.acceptance import AcceptanceStats
+
+    def rounds(d4: float, d8: float, batch: int = 4) -> torch.Tensor:
+        """Every request: 1 token at d <= 1, rising to ``d4`` at D4 and on to ``d8`` at D8."""
+        accepts = torch.ones(batch, 2, 9)
+        accepts[:, 1, 1:5] = torch.linspace(1.0, d4, 4)
+        accepts[:, 1, 4:] = torch.linspace(d4, d8, 5)
+        return accepts
+
+    stats = AcceptanceStats(8, 1)
+    for _ in range(3):
+        stats.update(rounds(3.5, 4.5), (8, 1), decay=0.98)
+    for _ in range(60):
+        stats.update(rounds(2.0, 3.0), (4, 1), decay=0.98)
+    plain = float(stats.sum[1, 8] / stats.weight[1, 8])
+    assert plain == pytest.approx(4.5)  # the control: the stale mean
+    d4 = float(stats.sum[1, 4] / stats.weight[1, 4])
+    assert d4 < 2.1 and stats.expected((4, 1)) == pytest.approx(d4)
+    assert stats.expected((8, 1)) == pytest.approx(d4 + 1.0)
+    assert stats.expected((6, 1)) == pytest.approx(d4 + 0.5)
+    even = AcceptanceStats(8, 1)
+    for a4, a8 in ((3.5, 4.5), (2.0, 3.0), (2.5, 2.5)):
+        even.update(rounds(a4, a8), (8, 1), decay=0.9)
+    assert even.expected((8, 1)) == pytest.approx(float(even.sum[1, 8] / even.weight[1, 8]))
+
+
 def test_curve_interpolates_and_extrapolates_proportionally():
     c = Curve()
     c.add(4, 0.04)

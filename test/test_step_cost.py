@@ -158,3 +158,35 @@ def test_v4_flash_tp4_rank():
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r["local_experts"] == 64 and r["bytes_floor"] <= r["bytes_total"]
     assert r["bytes_total"] == sum(r["bytes_by_class"].values())
+
+
+def test_the_round_runs_the_servers_stage_functions():
+    """The report's round calls the server's own draft, verify and accept stages (the worker and the adapter's
+    verify graph import the same functions), each once per round."""
+    from sglang_tree_v4.checkpoint.weights import load_model
+    from sglang_tree_v4.serving import sglang_model
+    from sglang_tree_v4.speculative import mtp_drafter, worker
+    from sglang_tree_v4.step_cost import round as step_round
+
+    assert worker.draft_tree is mtp_drafter.draft_tree is step_round.draft_tree
+    assert worker.accept_index_of is sglang_model.accept_index_of is step_round.accept_index_of
+    assert step_round.verify_forward is sglang_model.verify_forward
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return run
+
+    model = load_model(str(EMBEDDED)).to("meta")
+    names = ("draft_tree", "verify_forward", "accept_index_of")
+    saved = {n: getattr(step_round, n) for n in names}
+    try:
+        for n in names:
+            setattr(step_round, n, counted(n, saved[n]))
+        step_round.run_round(model, StepCounter(), 2, 200, 8, 3, 4)
+    finally:
+        for n in names:
+            setattr(step_round, n, saved[n])
+    assert calls == {n: 1 for n in names}

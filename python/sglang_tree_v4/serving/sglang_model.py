@@ -94,6 +94,24 @@ def verify_table(req_table: torch.Tensor, committed: torch.Tensor, custom_mask: 
     return SlotTable(req_table, query_req, committed.long().repeat_interleave(n), anc, anc_entry), entry_out
 
 
+def verify_forward(model, store: SlotStore, req_table: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor,
+                   input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, n: int,
+                   caps: StepCaps | None, taps: tuple[int, ...] = (), logits_rows: torch.Tensor | None = None):
+    """A verify forward's device work from device tensors alone (nothing read back to the host): the draft-tree
+    block's slot tables (``verify_table``) and the target's forward over them. The server's verify (replayed from
+    a graph on a GPU, eager elsewhere) and the step-cost report run this one function."""
+    table, entry_out = verify_table(req_table, seq_lens, mask, out_slots, n)
+    batch = SlotBatch(input_ids, positions, out_slots, table, caps, entry_out)
+    return model(batch, store, logits_rows=logits_rows, taps=taps)
+
+
+def accept_index_of(accepted_nodes: torch.Tensor, draft_tokens: int) -> torch.Tensor:
+    """``[bs, A]``: the flat verify-block row (``b * draft_tokens + i``) of each request's j-th accepted node, -1
+    past its accepted length: what SGLang's accepted-token move and ``commit_accepted_entries`` take."""
+    offset = torch.arange(accepted_nodes.shape[0], device=accepted_nodes.device)[:, None] * draft_tokens
+    return torch.where(accepted_nodes >= 0, accepted_nodes + offset, -1)
+
+
 def commit_accepted_entries(store: SlotStore, accept_index: torch.Tensor, block_slots: torch.Tensor,
                             committed: torch.Tensor, draft_tokens: int) -> None:
     """Copy the entries of accepted draft nodes that sat in tree scratch (``tree_entry_slots``) to the canonical
@@ -226,18 +244,18 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
             if caps is not None and step_graphs.enabled(device) and not capturing:
                 return self._graph_verify(input_ids, positions, forward_batch, n, caps)
         req_table = req_to_token[forward_batch.req_pool_indices].long()
+        no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
         if mode.is_target_verify():
-            table, entry_out = verify_table(req_table, forward_batch.seq_lens, forward_batch.spec_info.custom_mask,
-                                            out_slots, n)
+            out = verify_forward(self.model, store, req_table, forward_batch.seq_lens,
+                                 forward_batch.spec_info.custom_mask, input_ids.long(), positions, out_slots, n, caps,
+                                 self.taps, no_rows)
         else:
             counts = (forward_batch.extend_seq_lens if mode.is_extend() else
                       torch.ones(bs, dtype=torch.long, device=device))
             query_req = torch.arange(bs, device=device).repeat_interleave(counts.long())
             table = SlotTable.for_requests(req_table, query_req, positions)
-            caps = entry_out = None
-        no_rows = torch.empty(0, dtype=torch.long, device=device)  # logits come from SGLang's processor below
-        batch = SlotBatch(input_ids.long(), positions, out_slots, table, caps, entry_out)
-        out = self.model(batch, store, logits_rows=no_rows, taps=self.taps)
+            out = self.model(SlotBatch(input_ids.long(), positions, out_slots, table), store, logits_rows=no_rows,
+                             taps=self.taps)
         self.last_features = out.features
         return self._logits(input_ids, out_slots, out.streams, forward_batch)
 
@@ -284,10 +302,10 @@ class TreeV4DeepseekV4ForCausalLM(nn.Module):
         req_to_token = get_req_to_token_pool().req_to_token
         req_table = req_to_token[static["req_pool_indices"], :capacity].long()
         out_slots = static["out_slots"]
-        table, entry_out = verify_table(req_table, static["seq_lens"], static["mask"], out_slots, n)
-        batch = SlotBatch(static["input_ids"], static["positions"], out_slots, table, StepCaps(capacity, n), entry_out)
         no_rows = torch.empty(0, dtype=torch.long, device=out_slots.device)
-        out = self.model(batch, self.stores()[0], logits_rows=no_rows, taps=self.taps)
+        out = verify_forward(self.model, self.stores()[0], req_table, static["seq_lens"], static["mask"],
+                             static["input_ids"], static["positions"], out_slots, n, StepCaps(capacity, n), self.taps,
+                             no_rows)
         return (out.streams, out.features) if self.taps else out.streams
 
     def _scratch_capacity(self) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ..dsv4.mtp import draft_scratch_rows, mtp_forward
 from ..dsv4.storage import ForwardBatch, SlotStore, SlotTable
-from ..tree import DraftStep
+from ..tree import DraftStep, DraftTree, build_draft_tree
 
 
 def catch_up(model, mtp_store: SlotStore, streams: SlotStore, req_table: torch.Tensor,
@@ -204,6 +204,18 @@ class MTPTreeDrafter:
                    ("stride", self.stride))
             return self.graphs.run(key, inputs, scratch_stride=self.stride)
         return draft_step(self.model, self.store, inputs, step.step, self.topk, self.stride)
+
+
+def draft_tree(model, mtp_store: SlotStore, req_table: torch.Tensor, prefix_lens: torch.Tensor, roots: torch.Tensor,
+               root_draft, topk: int, max_steps: int, steps: int, draft_tokens: int,
+               graphs: MTPGraphs | None = None, score_temperature: float | torch.Tensor = 1.0,
+               logits_hook=None) -> DraftTree:
+    """A round's draft tree after the catch-up (``root_draft``: its root logits and hidden state): the MTP's
+    ``steps - 1`` further steps and the rerank to ``draft_tokens`` nodes, on the device alone. The server's round
+    and the step-cost report run this one function."""
+    drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix_lens, topk, max_steps, graphs)
+    return build_draft_tree(roots, prefix_lens.long(), drafter, steps, topk, draft_tokens, root_draft=root_draft,
+                            score_temperature=score_temperature, logits_hook=logits_hook)
 
 
 def draft_step(model, store: SlotStore, inputs: dict[str, torch.Tensor], depth: int, topk: int,

@@ -47,12 +47,11 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.spec_utils import move_accept_tokens_to_target_kvcache
 
 from ..serving import step_graphs
-from ..serving.sglang_model import TreeV4DeepseekV4ForCausalLM, fixed_shapes
+from ..serving.sglang_model import TreeV4DeepseekV4ForCausalLM, accept_index_of, fixed_shapes
 from ..tree import (
     DraftTree,
     SamplingParams,
     VerifyCoins,
-    build_draft_tree,
     verify_greedy,
     verify_sampling,
 )
@@ -60,12 +59,12 @@ from . import dspark_drafter
 from .adaptive import NO_SPECULATION, AdaptivePolicy, measure
 from .mtp_drafter import (
     MTPGraphs,
-    MTPTreeDrafter,
     catch_up,
     catch_up_fixed,
     catch_up_prefill,
     catch_up_start,
     deferred_start,
+    draft_tree,
     mtp_window_from,
     prefill_span,
 )
@@ -320,11 +319,9 @@ class TreeV4Worker(BaseSpecWorker):
                                         torch.tensor(next_tokens, device=self.device), graphs)
         else:
             root_draft = catch_up(model, mtp_store, streams, req_table, starts, lens, next_tokens)
-        prefix = batch.seq_lens.long()
-        drafter = MTPTreeDrafter(model, mtp_store, req_table, prefix, K, self.budget.steps, graphs)
-        return build_draft_tree(torch.tensor(roots, device=self.device), prefix, drafter, S, K, D,
-                                root_draft=root_draft, score_temperature=self._score_temperatures(batch),
-                                logits_hook=None if rules is None else rules.draft_hook)
+        return draft_tree(model, mtp_store, req_table, batch.seq_lens, torch.tensor(roots, device=self.device),
+                          root_draft, K, self.budget.steps, S, D, graphs, self._score_temperatures(batch),
+                          None if rules is None else rules.draft_hook)
 
     def _mtp_graphs(self) -> MTPGraphs | None:
         """The MTP's catch-up and draft steps replayed from graphs in the server's ``StepGraphs`` (with the verify
@@ -457,8 +454,7 @@ class TreeV4Worker(BaseSpecWorker):
         verdict = _root_only(verdict, finished)
         verdict = broadcast_verdict(verdict, self.tp_group)
 
-        flat_offset = torch.arange(bs, device=self.device)[:, None] * D
-        accept_index = torch.where(verdict.accepted_nodes >= 0, verdict.accepted_nodes + flat_offset, -1)
+        accept_index = accept_index_of(verdict.accepted_nodes, D)
         predict = torch.zeros(bs * D, dtype=torch.int64, device=self.device)
         valid = accept_index >= 0
         predict[accept_index[valid]] = verdict.tokens[valid]

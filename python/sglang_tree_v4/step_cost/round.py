@@ -13,10 +13,10 @@ import torch
 
 from ..dsv4.mtp import new_mtp_store, new_streams_store
 from ..dsv4.storage import ForwardBatch, SlotStore, StepCaps, model_token_layouts, paged_layouts
-from ..serving.sglang_model import commit_accepted_entries, verify_table
+from ..serving.sglang_model import accept_index_of, commit_accepted_entries, verify_forward
 from ..serving.sglang_pool import entry_ratios
-from ..speculative.mtp_drafter import MTPTreeDrafter, catch_up_fixed
-from ..tree import build_draft_tree, verify_greedy
+from ..speculative.mtp_drafter import catch_up_fixed, draft_tree
+from ..tree import verify_greedy
 from .counter import StepCounter
 
 
@@ -121,22 +121,20 @@ def run_round(model, counter: StepCounter, batch: int, context: int, draft: int,
     handles = _layer_marks(model, counter)
     try:
         with collectives(counter, tp_size, tp_rank), forward_metadata(counter), torch.no_grad(), counter:
-            if D > 1:
+            if D > 1:  # the server's own stage functions, in its order (``speculative.worker``)
                 counter.phase = "draft"
-                root_logits, root_hidden = catch_up_fixed(model, mtp_store, streams, req_table, lens, _meta(B, D))
-                drafter = MTPTreeDrafter(model, mtp_store, req_table, lens, topk, steps)
-                tree = build_draft_tree(_meta(B), lens, drafter, steps, topk, D, root_draft=(root_logits, root_hidden))
+                root_draft = catch_up_fixed(model, mtp_store, streams, req_table, lens, _meta(B, D))
+                tree = draft_tree(model, mtp_store, req_table, lens, _meta(B), root_draft, topk, steps, steps, D)
             counter.phase = "verify"
             mask = _meta(B * D * D, dtype=torch.bool)
             out_slots = _meta(B * D)
-            table, entry_out = verify_table(req_table, lens, mask, out_slots, D)
-            fb = ForwardBatch(_meta(B * D), torch.empty_like(out_slots), out_slots, table, caps, entry_out)
-            logits = model(fb, paged).logits
+            logits = verify_forward(model, paged, req_table, lens, mask, _meta(B * D), torch.empty_like(out_slots),
+                                    out_slots, D, caps).logits
             counter.phase = "accept"
             if D > 1:
                 verdict = verify_greedy(tree, logits.view(B, D, cfg.vocab_size))
                 counter.phase = "commit"
-                accept_index = verdict.accepted_nodes + (torch.arange(B, device="meta") * D)[:, None]
+                accept_index = accept_index_of(verdict.accepted_nodes, D)
                 block = req_table.gather(1, lens[:, None] + torch.arange(D, device="meta"))  # the worker's
                 commit_accepted_entries(paged, accept_index, block, lens, D)
             else:

@@ -43,12 +43,21 @@ def counterfactual_accepts(tree: DraftTree, accepted_nodes: torch.Tensor, accept
 class AcceptanceStats:
     """Decayed means of ``counterfactual_accepts`` per shape (only shapes at or below a run shape are updated), and
     of their squares: the spread of a request's tokens per round decides how far apart requests drift
-    (``lockstep``)."""
+    (``lockstep``).
+
+    Shapes above the one usually run are updated only by the rare explorations, so their plain means rest on a few
+    rounds from other stretches of the traffic: noisy, and the policy picks whichever of them happens to be high.
+    What those rounds measure precisely is the *gain* of each extra node over the next smaller shape (small for
+    the late nodes, and measured on the same requests), so a shape updated less often than the small ones is
+    estimated from the largest shape every update covered plus the mean gains above it (``table``). Where every
+    update covers a shape, this is its plain mean."""
 
     def __init__(self, max_tokens: int, max_steps: int):
         self.sum = torch.zeros(max_steps + 1, max_tokens + 1)
         self.squares = torch.zeros(max_steps + 1, max_tokens + 1)
         self.weight = torch.zeros(max_steps + 1, max_tokens + 1)
+        # [s, d]: decayed sum of (tokens at d) - (tokens at d - 1) over the same requests (its weight: ``weight``'s)
+        self.gain = torch.zeros(max_steps + 1, max_tokens + 1)
 
     def update(self, accepts: torch.Tensor, ran: tuple[int, int], decay: float) -> None:
         """``decay``: the weight left to what was known before (the policy's per-step decay, to the power of the
@@ -57,24 +66,32 @@ class AcceptanceStats:
         self.sum *= decay
         self.squares *= decay
         self.weight *= decay
+        self.gain *= decay
         kept = accepts[:, : s + 1, : d + 1]
         self.sum[: s + 1, : d + 1] += kept.sum(0).cpu()
         self.squares[: s + 1, : d + 1] += kept.square().sum(0).cpu()
         self.weight[: s + 1, : d + 1] += accepts.shape[0]
+        self.gain[: s + 1, 1: d + 1] += (kept[:, :, 1:] - kept[:, :, :-1]).sum(0).cpu()
 
     def expected(self, shape: tuple[int, int]) -> float | None:
         d, s = shape
-        if shape == NO_SPECULATION:
-            return 1.0
-        w = float(self.weight[s, d])
-        return float(self.sum[s, d]) / w if w > 0 else None
+        return 1.0 if shape == NO_SPECULATION else self.table()[s][d]
 
     def table(self) -> list[list[float | None]]:
-        """``expected`` of every shape at once, indexed ``[s][d]`` (one tensor read instead of one per shape)."""
-        means = (self.sum / self.weight.clamp(min=1e-30)).tolist()
-        weights = self.weight.tolist()
-        table = [[m if w > 0 else None for m, w in zip(row, wrow, strict=True)]
-                 for row, wrow in zip(means, weights, strict=True)]
+        """``expected`` of every shape at once, indexed ``[s][d]``: the plain mean of a shape every update of its
+        row covered; for one updated less often, ``mean[a] + gain[a + 1] + ... + gain[d]`` with ``a`` the largest
+        such fully covered d' < d and each gain the mean over the rounds that covered it (class doc)."""
+        weight = self.weight.clamp(min=1e-30)
+        seen = self.weight > 0
+        lighter = torch.zeros_like(seen)
+        # every update covers d <= 1 (a weight never grows with d): d is anchored below where it has less
+        lighter[:, 2:] = seen[:, 2:] & (self.weight[:, 2:] < self.weight[:, 1:2] * (1 - 1e-6))
+        cols = torch.arange(seen.shape[1]).expand_as(seen)
+        anchor = torch.where(lighter, 0, cols).cummax(1).values
+        gains = (self.gain / weight).cumsum(1)
+        est = (self.sum / weight).gather(1, anchor) + gains - gains.gather(1, anchor)
+        table = [[m if w else None for m, w in zip(row, wrow, strict=True)]
+                 for row, wrow in zip(est.tolist(), seen.tolist(), strict=True)]
         table[NO_SPECULATION[1]][NO_SPECULATION[0]] = 1.0
         return table
 
