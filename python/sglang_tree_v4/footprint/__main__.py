@@ -29,6 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def report(path: str, tp: int = 1, dtype: str = "bfloat16", tp_rank: int = 0) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
+    from ..checkpoint.fuse import fuse_projections
     from ..checkpoint.swap import build_model, parameter_bytes
     from ..checkpoint.tp import shard_model
     from ..dsv4.config import DSV4Config
@@ -41,6 +42,7 @@ def report(path: str, tp: int = 1, dtype: str = "bfloat16", tp_rank: int = 0) ->
     with get_parallel().override(tp_size=tp, tp_rank=tp_rank):
         model = build_model(cfg, raw, with_mtp=cfg.num_nextn_predict_layers > 0, dtype=DTYPES[dtype], device="meta",
                             shard=shard_model)
+    fuse_projections(model)  # as the server holds it once loaded (its stored-as-read biases included)
     out = parameter_bytes(model)
     out.update(construct_s=round(time.perf_counter() - start, 3), config=file, tp=tp, tp_rank=tp_rank, dtype=dtype)
     return out
