@@ -33,7 +33,7 @@ import torch
 
 from . import traffic
 from .ops import _backend, plain_reference
-from .rms_norm import rms_norm_ref
+from .rms_norm import norm_dtype, rms_norm_ref
 
 
 def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -90,10 +90,6 @@ def _check_pre(streams, fn, base, scale, out_weight=None):
                          f"{tuple(out_weight.shape)}")
 
 
-def _collapsed_dtype(streams: torch.Tensor, out_weight: torch.Tensor | None) -> torch.dtype:
-    return streams.dtype if out_weight is None else torch.promote_types(streams.dtype, out_weight.dtype)
-
-
 @torch.library.custom_op("sgl_kernel_ext::hc_pre", mutates_args=())
 def _hc_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                eps: float, norm_eps: float, out_weight: Optional[torch.Tensor] = None, out_eps: float = 0.0,
@@ -103,14 +99,14 @@ def _hc_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     from .triton_hyper_connection import hc_pre_triton
 
     return hc_pre_triton(streams, fn, base, scale, iters, eps, norm_eps, out_weight, out_eps,
-                         _collapsed_dtype(streams, out_weight))
+                         norm_dtype(streams, out_weight))
 
 
 @_hc_pre_op.register_fake
 def _(streams, fn, base, scale, iters, eps, norm_eps, out_weight=None, out_eps=0.0, backend=None):
     n, hc, dim = streams.shape
     f32 = torch.float32
-    return (streams.new_empty(n, dim, dtype=_collapsed_dtype(streams, out_weight)),
+    return (streams.new_empty(n, dim, dtype=norm_dtype(streams, out_weight)),
             streams.new_empty(n, hc, dtype=f32), streams.new_empty(n, hc, hc, dtype=f32))
 
 
@@ -124,7 +120,7 @@ def hc_pre_traffic(streams, fn, base, scale, iters, eps, norm_eps, out_weight=No
     summing its squares, then the norm pass reads it back and overwrites it with the normalised values)."""
     n, hc, dim = streams.shape
     read = 2 * traffic.nbytes(streams) + traffic.nbytes(fn) + traffic.nbytes(base) + traffic.nbytes(scale)
-    out = n * dim * torch.empty((), dtype=_collapsed_dtype(streams, out_weight), device="meta").element_size()
+    out = n * dim * torch.empty((), dtype=norm_dtype(streams, out_weight), device="meta").element_size()
     written = out + 4 * n * (hc + hc * hc)
     if out_weight is not None:
         read += traffic.nbytes(out_weight) + out

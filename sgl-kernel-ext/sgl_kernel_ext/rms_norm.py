@@ -24,7 +24,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return y if weight is None else weight * y
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+def norm_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype of ``rms_norm(x, weight, ...)`` (Y of the contract): x's, or promoted with the weight's."""
     return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
 
 
@@ -35,18 +36,18 @@ def _rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
         return rms_norm_ref(x, weight, eps)
     from .triton_rms_norm import rms_norm_triton
 
-    return rms_norm_triton(x, weight, eps, _out_dtype(x, weight))
+    return rms_norm_triton(x, weight, eps, norm_dtype(x, weight))
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, backend=None):
-    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+    return x.new_empty(x.shape, dtype=norm_dtype(x, weight))
 
 
 @traffic.declare("sgl_kernel_ext::rms_norm")
 def rms_norm_traffic(x, weight, eps, backend=None) -> traffic.Traffic:
     """x and the weight read once, y written once; one launch (plus a copy when x's rows are not unit-strided)."""
-    out = math.prod(x.shape) * torch.empty((), dtype=_out_dtype(x, weight), device="meta").element_size()
+    out = math.prod(x.shape) * torch.empty((), dtype=norm_dtype(x, weight), device="meta").element_size()
     moved = traffic.Traffic(traffic.nbytes(x) + traffic.nbytes(weight), out, 1)
     if x.dim() and x.stride(-1) != 1:
         moved = moved + traffic.Traffic(traffic.nbytes(x), traffic.nbytes(x), 1)

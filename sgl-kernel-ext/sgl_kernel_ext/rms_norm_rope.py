@@ -21,7 +21,7 @@ import torch
 
 from . import traffic
 from .ops import _backend, plain_reference
-from .rms_norm import rms_norm_ref
+from .rms_norm import norm_dtype, rms_norm_ref
 from .rope import rope_rotate_ref
 
 
@@ -31,10 +31,6 @@ def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, 
     return rope_rotate_ref(rms_norm_ref(x, weight, eps), cos, sin)
 
 
-def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
-    return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
-
-
 @torch.library.custom_op("sgl_kernel_ext::rms_norm_rope", mutates_args=())
 def _rms_norm_rope_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
                       sin: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
@@ -42,19 +38,19 @@ def _rms_norm_rope_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: floa
         return rms_norm_rope_ref(x, weight, eps, cos, sin)
     from .triton_rms_norm_rope import rms_norm_rope_triton
 
-    return rms_norm_rope_triton(x, weight, eps, cos, sin, _out_dtype(x, weight))
+    return rms_norm_rope_triton(x, weight, eps, cos, sin, norm_dtype(x, weight))
 
 
 @_rms_norm_rope_op.register_fake
 def _(x, weight, eps, cos, sin, backend=None):
-    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+    return x.new_empty(x.shape, dtype=norm_dtype(x, weight))
 
 
 @traffic.declare("sgl_kernel_ext::rms_norm_rope")
 def rms_norm_rope_traffic(x, weight, eps, cos, sin, backend=None) -> traffic.Traffic:
     """x, the weight, cos and sin read once, the result written once; one launch. The kernel takes x, the weight
     and cos/sin at any strides, so no copy is ever made (the normalised rows never reach memory)."""
-    out = x.numel() * torch.empty((), dtype=_out_dtype(x, weight), device="meta").element_size()
+    out = x.numel() * torch.empty((), dtype=norm_dtype(x, weight), device="meta").element_size()
     read = traffic.nbytes(x) + traffic.nbytes(weight) + traffic.nbytes(cos) + traffic.nbytes(sin)
     return traffic.Traffic(read, out, 1)
 

@@ -55,11 +55,10 @@ class FusedLinear(nn.Module):
         if any(h is None for h in held):
             return None
         weights = [w for w, _, _ in held]
-        fp8 = [w.dtype == FP8_DTYPE for w in weights]
         if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
             return None
         widths = [w.shape[0] for w in weights]
-        if not fp8[0]:
+        if weights[0].dtype != FP8_DTYPE:
             return FusedLinear(torch.cat(weights), None, widths)
         scales = [s for _, s, _ in held]
         if any(off != (0, 0) for _, _, off in held) or any(n % FP8_BLOCK for n in widths[:-1]) \

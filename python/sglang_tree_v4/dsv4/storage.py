@@ -348,23 +348,24 @@ class SlotStore:
             for p, part in zip(pieces, values.split(widths, -1), strict=True):
                 self._write_stored(layer, p, slots, part)
             return
-        rows, buf, end = self._rows(layer, slots, kind), bufs[layer], off + sum(widths)
-        if values.requires_grad and torch.is_grad_enabled():
-            cols = torch.arange(off, end, device=buf.device)
-            bufs[layer] = buf.index_put((rows[:, None], cols[None, :]), values.to(buf.dtype))
-        else:
-            buf[rows, off:end] = values.to(buf.dtype)
+        self._scatter(bufs, layer, self._rows(layer, slots, kind), off, off + sum(widths), values)
 
     def _write_stored(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Write what the buffer holds (a codec's bytes for a coded piece)."""
         bufs, off, w, kind = self._where(layer, piece)
-        rows = self._rows(layer, slots, kind)
+        self._scatter(bufs, layer, self._rows(layer, slots, kind), off, off + w, values)
+
+    @staticmethod
+    def _scatter(bufs: list[torch.Tensor], layer: int, rows: torch.Tensor, start: int, end: int,
+                 values: torch.Tensor) -> None:
+        """``values`` into columns ``[start, end)`` of ``rows`` of ``bufs[layer]``: in place, or out of place where
+        autograd needs the written values (the class doc)."""
         buf = bufs[layer]
         if values.requires_grad and torch.is_grad_enabled():
-            cols = torch.arange(off, off + w, device=buf.device)
+            cols = torch.arange(start, end, device=buf.device)
             bufs[layer] = buf.index_put((rows[:, None], cols[None, :]), values.to(buf.dtype))
         else:
-            buf[rows, off:off + w] = values.to(buf.dtype)
+            buf[rows, start:end] = values.to(buf.dtype)
 
     def write_kept(self, layer: int, piece: str, slots: torch.Tensor, values: torch.Tensor,
                    keep: torch.Tensor) -> None:
