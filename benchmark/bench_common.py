@@ -86,6 +86,11 @@ def load_records(path: Path | str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def throughput_runs(r: dict) -> list[float]:
+    """A sweep record's output tokens/s per measured run (one run where the record predates repeats)."""
+    return list(r.get("output_throughput_runs") or [r["output_throughput"]])
+
+
 def record_key(r: dict) -> tuple:
     """Identity of one grid point (used to resume a sweep and to pair tree with chain)."""
     return (r["dataset"], r["budget"], r["batch_size"], r["shape"], r["topk"], r["num_steps"])

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
+from bar_noise import ratio_interval  # noqa: E402
 from plot import save_batch_panels  # noqa: E402
 
 STYLE = {"tree": ("tab:green", "o-"), "chain": ("tab:blue", "s-"), "none": ("tab:gray", "^-"),
@@ -33,10 +34,6 @@ def label(r: dict) -> str:
     return f"{name} D{r['budget']} K{r['topk']} S{r['num_steps']}"
 
 
-def runs(r: dict) -> list[float]:
-    return list(r.get("output_throughput_runs") or [r["output_throughput"]])
-
-
 def servers(records: list[dict]) -> list[str]:
     order = {s: i for i, s in enumerate(STYLE)}
     seen = {label(r): (order.get(r["shape"], 9), r["budget"]) for r in records}
@@ -50,7 +47,7 @@ def plot(records: list[dict], out: Path) -> Path:
     names = servers(records)
     for ax, ds in zip(axes[0], datasets, strict=True):
         for name in names:
-            pts = sorted((r["batch_size"], runs(r), r["shape"]) for r in records
+            pts = sorted((r["batch_size"], bc.throughput_runs(r), r["shape"]) for r in records
                          if r["dataset"] == ds and label(r) == name)
             if not pts:
                 continue
@@ -70,11 +67,12 @@ def plot(records: list[dict], out: Path) -> Path:
 
 def table(records: list[dict]) -> str:
     """Per dataset and batch size: each server's median throughput [min-max of the repeats] and accept length,
-    and the adaptive server's median over the best fixed server's."""
+    the adaptive server's median over the best fixed server's, and that ratio's bootstrap interval
+    (``ratio_interval``)."""
     names = servers(records)
     fixed = [n for n in names if not n.startswith("adaptive")]
-    lines = ["| dataset | batch | " + " | ".join(names) + " | adaptive / best |",
-             "|---|---|" + "---|" * (len(names) + 1)]
+    lines = ["| dataset | batch | " + " | ".join(names) + " | adaptive / best | 90 % interval |",
+             "|---|---|" + "---|" * (len(names) + 2)]
     for ds in sorted({r["dataset"] for r in records}):
         for bs in sorted({r["batch_size"] for r in records if r["dataset"] == ds}):
             at = {label(r): r for r in records if r["dataset"] == ds and r["batch_size"] == bs}
@@ -84,13 +82,35 @@ def table(records: list[dict]) -> str:
                 if r is None:
                     cells.append("")
                     continue
-                xs = runs(r)
+                xs = bc.throughput_runs(r)
                 med[n] = statistics.median(xs)
                 cells.append(f"{med[n]:.0f} [{min(xs):.0f}-{max(xs):.0f}] ({r['accept_length']:.2f})")
-            best = max((med[n] for n in fixed if n in med), default=None)
-            adaptive = next((med[n] for n in names if n.startswith("adaptive") and n in med), None)
-            ratio = f"{adaptive / best:.2f}" if best and adaptive else ""
-            lines.append(f"| {ds} | {bs} | " + " | ".join(cells) + f" | {ratio} |")
+            best_name = max((n for n in fixed if n in med), key=lambda n: med[n], default=None)
+            adaptive_name = next((n for n in names if n.startswith("adaptive") and n in med), None)
+            ratio = interval = ""
+            if best_name and adaptive_name:
+                ratio = f"{med[adaptive_name] / med[best_name]:.2f}"
+                lo, hi = ratio_interval(bc.throughput_runs(at[adaptive_name]),
+                                        [bc.throughput_runs(at[n]) for n in fixed if n in at])
+                interval = f"{lo:.2f}-{hi:.2f}"
+            lines.append(f"| {ds} | {bs} | " + " | ".join(cells) + f" | {ratio} | {interval} |")
+    return "\n".join(lines)
+
+
+def batch_summary(records: list[dict]) -> str:
+    """Per batch size: the adaptive server's median over the best fixed server's, as the geometric mean over the
+    datasets and the lowest of them."""
+    ratios: dict[int, list[float]] = {}
+    for ds in sorted({r["dataset"] for r in records}):
+        for bs in sorted({r["batch_size"] for r in records if r["dataset"] == ds}):
+            at = [r for r in records if r["dataset"] == ds and r["batch_size"] == bs]
+            fixed = [statistics.median(bc.throughput_runs(r)) for r in at if r["shape"] != "adaptive"]
+            adaptive = [statistics.median(bc.throughput_runs(r)) for r in at if r["shape"] == "adaptive"]
+            if fixed and adaptive:
+                ratios.setdefault(bs, []).append(adaptive[0] / max(fixed))
+    lines = ["| batch | adaptive / best, geometric mean over datasets | lowest |", "|---|---|---|"]
+    for bs, xs in sorted(ratios.items()):
+        lines.append(f"| {bs} | {statistics.geometric_mean(xs):.2f} | {min(xs):.2f} |")
     return "\n".join(lines)
 
 
@@ -103,6 +123,7 @@ def main() -> None:
     out = Path(a.out) if a.out else Path(a.jsonl).with_suffix(".png")
     print("wrote", plot(records, out))
     print(table(records))
+    print(batch_summary(records))
 
 
 if __name__ == "__main__":
