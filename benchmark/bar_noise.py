@@ -40,6 +40,20 @@ def ratio_interval(adaptive: list[float], fixed: list[list[float]], reps: int = 
     return ratios[int(0.05 * reps)], ratios[int(0.95 * reps) - 1]
 
 
+def points(records: list[dict]) -> list[tuple[str, int, list[float], list[list[float]]]]:
+    """Per dataset and batch size with an adaptive server: (dataset, batch size, the adaptive server's runs, each
+    fixed server's runs)."""
+    out = []
+    for ds in sorted({r["dataset"] for r in records}):
+        for bs in sorted({r["batch_size"] for r in records if r["dataset"] == ds}):
+            at = [r for r in records if r["dataset"] == ds and r["batch_size"] == bs]
+            adaptive = [bc.throughput_runs(r) for r in at if r["shape"] == "adaptive"]
+            fixed = [bc.throughput_runs(r) for r in at if r["shape"] != "adaptive"]
+            if adaptive and fixed:
+                out.append((ds, bs, adaptive[0], fixed))
+    return out
+
+
 def pooled_log_sd(records: list[dict]) -> float:
     """The spread of one run around its point's median, in log: pooled over every server and point with more
     than one run (squares over n - 1)."""
@@ -58,13 +72,11 @@ def chance_under(fixed: list[float], share: float, bar: float, repeats: int, sd:
                  rng: random.Random) -> float:
     """The chance that an adaptive server at ``share`` of the best of ``fixed`` (true speeds) scores a median
     under ``bar`` times the best of the fixed servers' medians, ``repeats`` runs each with log-normal noise."""
+    def med(speed: float) -> float:
+        return statistics.median(speed * math.exp(rng.gauss(0.0, sd)) for _ in range(repeats))
+
     truth = share * max(fixed)
-    under = 0
-    for _ in range(trials):
-        def med(speed: float) -> float:
-            return statistics.median(speed * math.exp(rng.gauss(0.0, sd)) for _ in range(repeats))
-        under += med(truth) < bar * max(med(x) for x in fixed)
-    return under / trials
+    return sum(med(truth) < bar * max(med(x) for x in fixed) for _ in range(trials)) / trials
 
 
 def main() -> None:
@@ -81,19 +93,13 @@ def main() -> None:
     rng = random.Random(a.seed)
     print(f"pooled spread of one run: {sd:.3f} (log)")
     expected = measured = 0.0
-    for ds in sorted({r["dataset"] for r in records}):
-        for bs in sorted({r["batch_size"] for r in records if r["dataset"] == ds}):
-            at = [r for r in records if r["dataset"] == ds and r["batch_size"] == bs]
-            fixed = [statistics.median(bc.throughput_runs(r)) for r in at if r["shape"] != "adaptive"]
-            adaptive = [r for r in at if r["shape"] == "adaptive"]
-            if not fixed or not adaptive:
-                continue
-            repeats = len(bc.throughput_runs(adaptive[0]))
-            p = chance_under(fixed, a.share, a.bar, repeats, sd, a.trials, rng)
-            ratio = statistics.median(bc.throughput_runs(adaptive[0])) / max(fixed)
-            expected += p
-            measured += ratio < a.bar
-            print(f"{ds} {bs}: P(under {a.bar}) {p:.2f}; measured {ratio:.2f}")
+    for ds, bs, adaptive, fixed_runs in points(records):
+        fixed = [statistics.median(xs) for xs in fixed_runs]
+        p = chance_under(fixed, a.share, a.bar, len(adaptive), sd, a.trials, rng)
+        ratio = statistics.median(adaptive) / max(fixed)
+        expected += p
+        measured += ratio < a.bar
+        print(f"{ds} {bs}: P(under {a.bar}) {p:.2f}; measured {ratio:.2f}")
     print(f"points under {a.bar}: expected {expected:.1f} for a server at {a.share} of the best, measured "
           f"{measured:.0f}")
 

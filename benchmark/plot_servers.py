@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
-from bar_noise import ratio_interval  # noqa: E402
+from bar_noise import points, ratio_interval  # noqa: E402
 from plot import save_batch_panels  # noqa: E402
 
 STYLE = {"tree": ("tab:green", "o-"), "chain": ("tab:blue", "s-"), "none": ("tab:gray", "^-"),
@@ -101,13 +101,8 @@ def batch_summary(records: list[dict]) -> str:
     """Per batch size: the adaptive server's median over the best fixed server's, as the geometric mean over the
     datasets and the lowest of them."""
     ratios: dict[int, list[float]] = {}
-    for ds in sorted({r["dataset"] for r in records}):
-        for bs in sorted({r["batch_size"] for r in records if r["dataset"] == ds}):
-            at = [r for r in records if r["dataset"] == ds and r["batch_size"] == bs]
-            fixed = [statistics.median(bc.throughput_runs(r)) for r in at if r["shape"] != "adaptive"]
-            adaptive = [statistics.median(bc.throughput_runs(r)) for r in at if r["shape"] == "adaptive"]
-            if fixed and adaptive:
-                ratios.setdefault(bs, []).append(adaptive[0] / max(fixed))
+    for _, bs, adaptive, fixed in points(records):
+        ratios.setdefault(bs, []).append(statistics.median(adaptive) / max(statistics.median(xs) for xs in fixed))
     lines = ["| batch | adaptive / best, geometric mean over datasets | lowest |", "|---|---|---|"]
     for bs, xs in sorted(ratios.items()):
         lines.append(f"| {bs} | {statistics.geometric_mean(xs):.2f} | {min(xs):.2f} |")

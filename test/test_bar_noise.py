@@ -10,11 +10,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-from bar_noise import chance_under, pooled_log_sd, ratio_interval  # noqa: E402
+from bar_noise import chance_under, points, pooled_log_sd, ratio_interval  # noqa: E402
 
 
-def _record(runs: list[float], shape: str = "tree") -> dict:
-    return {"shape": shape, "output_throughput": runs[0], "output_throughput_runs": runs}
+def _record(runs: list[float], shape: str = "tree", dataset: str = "gsm8k", batch: int = 1) -> dict:
+    return {"shape": shape, "output_throughput": runs[0], "output_throughput_runs": runs, "dataset": dataset,
+            "batch_size": batch}
+
+
+def test_points_pair_the_adaptive_server_with_the_fixed_ones_and_skip_points_without_it():
+    records = [_record([10.0], "adaptive"), _record([12.0]), _record([9.0], "none"),
+               _record([5.0], batch=4),  # no adaptive server at batch 4
+               _record([7.0], "adaptive", "mbpp", 2), _record([8.0], dataset="mbpp", batch=2)]
+    assert points(records) == [("gsm8k", 1, [10.0], [[12.0], [9.0]]), ("mbpp", 2, [7.0], [[8.0]])]
 
 
 def test_pooled_spread_is_each_runs_log_distance_from_its_median():
